@@ -1,0 +1,377 @@
+"""The run configuration: pydantic models whose defaults *are* the embedded default run.
+
+Key names follow the reference system (`policy.model_name`, `grpo.num_prompts_per_step`, `loss_fn.*`,
+`checkpointing.save_period`, `data_plane.*`) so its users feel at home. Unknown keys and bad values are rejected
+with the dotted key named. This module imports neither torch nor ray, so validation and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+NonNegInt = Annotated[int, Field(ge=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+UnitFloat = Annotated[float, Field(gt=0, le=1)]
+
+#: Shipped with the package (see scripts/make_tiny_model.py); resolved by relayrl.utils.paths.resolve_model_path.
+BUILTIN_TINY_MODEL = "builtin:tiny-arith"
+
+
+class Strict(BaseModel):
+    """Base for every config block: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------------- policy
+class TokenizerConfig(Strict):
+    name: Optional[str] = None
+    """Tokenizer directory; None means `policy.model_name`."""
+    chat_template: Optional[str] = None
+    """Override the tokenizer's chat template (a Jinja string or a path to a .jinja file)."""
+
+
+class ColocatedConfig(Strict):
+    enabled: bool = True
+    """Generation shares devices (and, on the local executor, the very weights) with training."""
+
+
+class GenerationConfig(Strict):
+    backend: Literal["hf"] = "hf"
+    """Generation engine. `hf`: batched sampling with a KV cache through transformers, CPU or GPU."""
+    max_new_tokens: PositiveInt = 16
+    temperature: PositiveFloat = 1.0
+    top_p: UnitFloat = 1.0
+    top_k: Optional[PositiveInt] = None
+    stop_token_ids: Optional[list[int]] = None
+    """None means [eos_token_id]."""
+    stop_strings: Optional[list[str]] = None
+    colocated: ColocatedConfig = ColocatedConfig()
+
+
+class AdamWKwargs(Strict):
+    lr: PositiveFloat = 3e-5
+    weight_decay: NonNegFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+
+
+class OptimizerConfig(Strict):
+    name: Literal["torch.optim.AdamW", "AdamW"] = "torch.optim.AdamW"
+    kwargs: AdamWKwargs = AdamWKwargs()
+
+
+class SchedulerConfig(Strict):
+    name: Literal["constant", "cosine"] = "constant"
+    """LR after warm-up: constant, or cosine decay to `min_lr_ratio * lr` over `decay_steps`."""
+    warmup_steps: NonNegInt = 0
+    warmup_start_factor: UnitFloat = 0.1
+    decay_steps: Optional[PositiveInt] = None
+    """Cosine horizon in scheduler steps (one per train() call); None means grpo.max_num_steps."""
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+
+
+class PolicyConfig(Strict):
+    model_name: str = BUILTIN_TINY_MODEL
+    """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    random_init: bool = False
+    """Build the architecture from `model_name`'s config.json with freshly initialised weights."""
+    hf_config_overrides: dict[str, Any] = {}
+    train_global_batch_size: PositiveInt = 128
+    train_micro_batch_size: PositiveInt = 128
+    logprob_batch_size: Optional[PositiveInt] = None
+    """Rows per logprob / reference / top-k micro-batch; None means train_micro_batch_size."""
+    logprob_chunk_size: Optional[PositiveInt] = None
+    """Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB."""
+    max_total_sequence_length: PositiveInt = 64
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_grad_norm: Optional[PositiveFloat] = 1.0
+    activation_checkpointing: bool = False
+    make_sequence_length_divisible_by: PositiveInt = 1
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    generation: GenerationConfig = GenerationConfig()
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+class ClippedPGLossConfig(Strict):
+    reference_policy_kl_penalty: NonNegFloat = 0.02
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: Optional[PositiveFloat] = 20.0
+    kl_output_clamp_value: Optional[PositiveFloat] = 10.0
+    ratio_clip_min: NonNegFloat = 0.2
+    ratio_clip_max: NonNegFloat = 0.2
+    ratio_clip_c: Optional[Annotated[float, Field(gt=1)]] = None
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
+    truncated_importance_sampling_ratio: Optional[PositiveFloat] = None
+    truncated_importance_sampling_ratio_min: Optional[NonNegFloat] = None
+    sequence_level_importance_ratios: bool = False
+    token_level_loss: bool = True
+    force_on_policy_ratio: bool = False
+    use_kl_in_reward: bool = False
+    use_cispo: bool = False
+    disable_ppo_ratio: bool = False
+    positive_example_nll_weight: NonNegFloat = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------- grpo
+class RewardScalingConfig(Strict):
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+class RewardShapingConfig(Strict):
+    enabled: bool = False
+    overlong_buffer_length: Optional[PositiveInt] = None
+    overlong_buffer_penalty: Optional[NonNegFloat] = None
+    max_response_length: Optional[PositiveInt] = None
+    stop_properly_penalty_coef: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+
+
+class AdvEstimatorConfig(Strict):
+    name: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    normalize_rewards: Optional[bool] = None
+    """None means grpo.normalize_rewards."""
+    use_leave_one_out_baseline: Optional[bool] = None
+    """None means grpo.use_leave_one_out_baseline."""
+    minus_baseline: bool = True
+
+
+class GRPOConfig(Strict):
+    num_prompts_per_step: PositiveInt = 16
+    num_generations_per_prompt: PositiveInt = 8
+    max_rollout_turns: PositiveInt = 1
+    max_num_epochs: PositiveInt = 1000
+    max_num_steps: PositiveInt = 400
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    val_period: NonNegInt = 50
+    val_start_at: int = -1
+    val_at_start: bool = True
+    val_at_end: bool = True
+    val_greedy: bool = True
+    """Validate with greedy decoding (deterministic accuracy); False samples like training."""
+    overlong_filtering: bool = False
+    advantage_clip_low: Optional[float] = None
+    advantage_clip_high: Optional[float] = None
+    max_val_samples: PositiveInt = 200
+    val_batch_size: PositiveInt = 200
+    val_num_generations_per_prompt: PositiveInt = 1
+    stop_at_validation_metric: Optional[str] = None
+    stop_at_validation_threshold: Optional[float] = None
+    seed: int = 42
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: NonNegInt = 10
+    batch_multiplier: PositiveInt = 1
+    reward_scaling: RewardScalingConfig = RewardScalingConfig()
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
+    seq_logprob_error_threshold: Optional[PositiveFloat] = None
+    skip_reference_policy_logprobs_calculation: bool = False
+
+
+class RewardPenaltiesConfig(Strict):
+    """Message-level advantage penalties: an assistant message flagged by the environment gets this advantage."""
+
+    invalid_tool_call_advantage: Optional[float] = None
+    """Advantage for messages flagged `is_invalid_tool_call`."""
+    malformed_thinking_advantage: Optional[float] = None
+    """Advantage for messages flagged `has_malformed_thinking`."""
+    flag_advantages: dict[str, float] = {}
+    """Any other flag name -> advantage."""
+
+    def enabled_keys(self) -> list[str]:
+        keys = [k for k in ("invalid_tool_call_advantage", "malformed_thinking_advantage") if getattr(self, k) is not None]
+        keys += [f"flag_advantages.{k}" for k in self.flag_advantages]
+        return keys
+
+    def flag_to_advantage(self) -> dict[str, float]:
+        out = dict(self.flag_advantages)
+        if self.invalid_tool_call_advantage is not None:
+            out["is_invalid_tool_call"] = self.invalid_tool_call_advantage
+        if self.malformed_thinking_advantage is not None:
+            out["has_malformed_thinking"] = self.malformed_thinking_advantage
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- data / env
+class ArithmeticConfig(Strict):
+    """The built-in task: `a+b` / `a-b` with operands in [min_operand, max_operand]."""
+
+    min_operand: NonNegInt = 10
+    max_operand: NonNegInt = 99
+    operations: list[Literal["+", "-"]] = ["+", "-"]
+    num_val_problems: PositiveInt = 200
+    """Held out by a fixed seed; the shipped model never saw them in its warm start."""
+
+
+class DatasetConfig(Strict):
+    source: Literal["arithmetic", "file"] = "arithmetic"
+    path: Optional[str] = None
+    """JSONL or Parquet file (format from the extension) when source == 'file'."""
+    prompt_field: str = "prompt"
+    """Field holding the user prompt text (ignored when `messages_field` is present in a row)."""
+    messages_field: str = "messages"
+    answer_field: str = "answer"
+    task_field: Optional[str] = "task"
+    default_task: str = "math"
+    split_validation_size: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Fraction carved off as validation when no validation dataset is given."""
+
+
+class DataConfig(Strict):
+    train: DatasetConfig = DatasetConfig()
+    validation: Optional[DatasetConfig] = None
+    """None: the arithmetic task's held-out set, or a split of `train` (split_validation_size)."""
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    system_prompt: Optional[str] = None
+    prompt_template: Optional[str] = None
+    """Python format string with `{problem}`; None uses the problem text as is."""
+    max_input_seq_length: Optional[PositiveInt] = None
+    """Prompt token limit; None means policy.max_total_sequence_length - generation.max_new_tokens."""
+    skip_overlong_prompts: bool = False
+    """Skip (and count) prompts over the limit instead of failing."""
+    shuffle: bool = True
+    num_workers: NonNegInt = 0
+
+
+class MathEnvConfig(Strict):
+    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
+    timeout_s: PositiveFloat = 5.0
+
+
+class EnvConfig(Strict):
+    math: MathEnvConfig = MathEnvConfig()
+
+
+# ---------------------------------------------------------------------------------------------------- infrastructure
+class WandbConfig(Strict):
+    project: str = "relayrl"
+    name: Optional[str] = None
+
+
+class MlflowConfig(Strict):
+    experiment_name: str = "relayrl"
+    run_name: Optional[str] = None
+    tracking_uri: Optional[str] = None
+
+
+class LoggerConfig(Strict):
+    tensorboard_enabled: bool = True
+    wandb_enabled: bool = False
+    mlflow_enabled: bool = False
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    progress_bar: bool = True
+    num_train_samples_to_log: NonNegInt = 8
+    """Rows of prompts/completions/rewards written to samples.jsonl per step."""
+    num_val_samples_to_print: NonNegInt = 0
+
+
+class CheckpointingConfig(Strict):
+    enabled: bool = True
+    checkpoint_dir: Optional[str] = None
+    """None means `<run_dir>/checkpoints`."""
+    metric_name: Optional[str] = "val:accuracy"
+    higher_is_better: bool = True
+    keep_top_k: Optional[PositiveInt] = 2
+    save_period: PositiveInt = 100
+    checkpoint_must_save_by: Optional[str] = None
+    """Wall-clock budget DD:HH:MM:SS: save and stop before it runs out."""
+    save_optimizer: bool = True
+
+    @model_validator(mode="after")
+    def _metric_prefix(self) -> CheckpointingConfig:
+        if self.metric_name is not None and not self.metric_name.startswith(("val:", "train:")):
+            raise ValueError("checkpointing.metric_name must start with 'val:' or 'train:'")
+        return self
+
+
+class ClusterConfig(Strict):
+    executor: Literal["local", "ray"] = "local"
+    num_nodes: PositiveInt = 1
+    workers_per_node: PositiveInt = 1
+    cpus_per_worker: PositiveInt = 1
+    gpus_per_worker: NonNegFloat = 0.0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    torch_num_threads: Optional[PositiveInt] = None
+    """None leaves torch's default."""
+    ray_address: Optional[str] = None
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
+
+
+class DataPlaneConfig(Strict):
+    enabled: bool = False
+    backend: Literal["memory", "ray", "transfer_queue"] = "memory"
+    storage_capacity: PositiveInt = 1_000_000
+    """Maximum samples held across partitions; exceeding it is an error, never silent growth."""
+
+
+# ---------------------------------------------------------------------------------------------------- top level
+class MasterConfig(Strict):
+    policy: PolicyConfig = PolicyConfig()
+    loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    data: DataConfig = DataConfig()
+    env: EnvConfig = EnvConfig()
+    logger: LoggerConfig = LoggerConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    reward_penalties: RewardPenaltiesConfig = RewardPenaltiesConfig()
+    data_plane: DataPlaneConfig = DataPlaneConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> MasterConfig:
+        g, p = self.grpo, self.policy
+        rows = g.num_prompts_per_step * g.num_generations_per_prompt
+        if rows % p.train_global_batch_size:
+            raise ValueError(
+                f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} is not divisible by "
+                f"policy.train_global_batch_size = {p.train_global_batch_size}"
+            )
+        if p.train_global_batch_size % p.train_micro_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size = {p.train_global_batch_size} is not divisible by "
+                f"policy.train_micro_batch_size = {p.train_micro_batch_size}"
+            )
+        if g.batch_multiplier != 1 and not g.use_dynamic_sampling:
+            raise ValueError("grpo.batch_multiplier must be 1 unless grpo.use_dynamic_sampling is true")
+        if g.stop_at_validation_metric is not None and g.stop_at_validation_threshold is None:
+            raise ValueError("grpo.stop_at_validation_metric requires grpo.stop_at_validation_threshold")
+        if g.stop_at_validation_metric == "pass_k" and g.val_num_generations_per_prompt <= 1:
+            raise ValueError("grpo.stop_at_validation_metric 'pass_k' requires grpo.val_num_generations_per_prompt > 1")
+        if g.max_val_samples % g.val_batch_size and g.max_val_samples > g.val_batch_size:
+            raise ValueError("grpo.max_val_samples must be a multiple of grpo.val_batch_size")
+        if g.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
+            raise ValueError(
+                "grpo.skip_reference_policy_logprobs_calculation requires loss_fn.reference_policy_kl_penalty == 0"
+            )
+        if p.generation.max_new_tokens >= p.max_total_sequence_length:
+            raise ValueError("policy.generation.max_new_tokens must be < policy.max_total_sequence_length")
+        if self.data.train.source == "file" and not self.data.train.path:
+            raise ValueError("data.train.path is required when data.train.source is 'file'")
+        return self
+
+    # Derived values live here (not as duplicated defaults) so every consumer agrees.
+    @property
+    def logprob_batch_size(self) -> int:
+        return self.policy.logprob_batch_size or self.policy.train_micro_batch_size
+
+    @property
+    def max_prompt_length(self) -> int:
+        if self.data.max_input_seq_length is not None:
+            return self.data.max_input_seq_length
+        return self.policy.max_total_sequence_length - self.policy.generation.max_new_tokens
+
+    @property
+    def reference_model_needed(self) -> bool:
+        return self.loss_fn.reference_policy_kl_penalty > 0 and not self.grpo.skip_reference_policy_logprobs_calculation

@@ -1,0 +1,34 @@
+"""Shared fixtures. Tests build their own tiny models (seconds) so none depends on network or the hub."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread: the suite shares two cores; oversubscription makes timings erratic, not faster.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    """The character-level tokenizer the shipped model uses (chat template, pad and eos set)."""
+    from relayrl.models.tiny import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> Path:
+    """A random 2-layer Qwen2 + tokenizer saved as a Hugging Face directory (loaded via from_pretrained)."""
+    from relayrl.models.tiny import build_tiny_qwen2, save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    model = build_tiny_qwen2(vocab_size=len(char_tokenizer), hidden_size=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, intermediate_size=128, seed=0)
+    save_tiny_model(path, model, char_tokenizer)
+    return path
