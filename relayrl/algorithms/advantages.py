@@ -1,0 +1,133 @@
+"""Advantage estimators (GRPO, Reinforce++) and the GRPO advantage post-processing (overrides, clipping).
+
+Estimators turn one scalar reward per row into token-aligned advantages [B, S]. GRPO returns the per-row value
+broadcast over every position (a zero-stride view): the loss mask, not the estimator, removes prompt and padding
+positions.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt, calculate_kl
+from relayrl.config import ClippedPGLossConfig, GRPOConfig
+
+
+class AdvantageEstimator(Protocol):
+    def compute_advantage(
+        self,
+        prompt_ids: torch.Tensor,  # [B, P]
+        rewards: torch.Tensor,  # [B]
+        mask: torch.Tensor,  # [B, S]
+        logprobs_policy: torch.Tensor | None = None,  # [B, S]
+        logprobs_reference: torch.Tensor | None = None,  # [B, S]
+    ) -> torch.Tensor: ...  # [B, S]
+
+
+class GRPOAdvantageEstimator:
+    """a_i = (r_i - group baseline) [/ (group std + 1e-6) where std > 0], broadcast over the sequence.
+
+    The sample mask is deliberately not used for the group statistics: filtered (e.g. truncated) rows still shape
+    their siblings' advantages, as in the reference.
+    """
+
+    def __init__(self, normalize_rewards: bool, use_leave_one_out_baseline: bool) -> None:
+        self.normalize_rewards = normalize_rewards
+        self.use_leave_one_out_baseline = use_leave_one_out_baseline
+
+    def compute_advantage(
+        self,
+        prompt_ids: torch.Tensor,  # [B, P]
+        rewards: torch.Tensor,  # [B]
+        mask: torch.Tensor,  # [B, S]
+        logprobs_policy: torch.Tensor | None = None,
+        logprobs_reference: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        baseline, std = calculate_baseline_and_std_per_prompt(
+            prompt_ids, rewards, torch.ones_like(rewards), leave_one_out_baseline=self.use_leave_one_out_baseline
+        )  # [B], [B]
+        adv = rewards.to(baseline.dtype) - baseline  # [B]
+        if self.normalize_rewards:
+            # Rows whose std is 0 keep the raw difference (0 for a uniform group; non-zero only under LOO).
+            adv = torch.where(std > 0, adv / (std + 1e-6), adv)
+        return adv.unsqueeze(-1).expand(-1, mask.shape[1])  # [B, S] zero-stride view
+
+
+class ReinforcePlusPlusAdvantageEstimator:
+    """Reinforce++: (r - group mean) [- beta * per-token KL], then whitened over all masked tokens of the batch."""
+
+    def __init__(self, minus_baseline: bool, use_kl_in_reward: bool, kl_coef: float, kl_type: str) -> None:
+        self.minus_baseline = minus_baseline
+        self.use_kl_in_reward = use_kl_in_reward
+        self.kl_coef = kl_coef
+        self.kl_type = kl_type
+
+    def compute_advantage(
+        self,
+        prompt_ids: torch.Tensor,  # [B, P]
+        rewards: torch.Tensor,  # [B]
+        mask: torch.Tensor,  # [B, S]
+        logprobs_policy: torch.Tensor | None = None,  # [B, S]
+        logprobs_reference: torch.Tensor | None = None,  # [B, S]
+    ) -> torch.Tensor:
+        rewards_f = rewards if rewards.is_floating_point() else rewards.float()
+        if self.minus_baseline:
+            baseline, _ = calculate_baseline_and_std_per_prompt(
+                prompt_ids, rewards_f, torch.ones_like(rewards_f), leave_one_out_baseline=False
+            )
+            adv = rewards_f - baseline  # [B]
+        else:
+            adv = rewards_f
+        adv = adv.unsqueeze(-1).expand(-1, mask.shape[1])  # [B, S]
+        if self.use_kl_in_reward and logprobs_policy is not None and logprobs_reference is not None:
+            kl = calculate_kl(logprobs_policy, logprobs_reference, self.kl_type, 20.0, 10.0)  # [B, S]
+            adv = adv - self.kl_coef * kl.detach()
+
+        maskf = mask.to(adv.dtype)  # [B, S]
+        count = maskf.sum()
+        if count == 0:
+            return adv.clone()  # nothing to whiten over; every position is masked anyway
+        mean = (adv * maskf).sum() / count
+        var = ((adv - mean).square() * maskf).sum() / count  # biased, as in the reference
+        return (adv - mean) * torch.rsqrt(var.clamp(min=1e-8))  # [B, S]
+
+
+def build_advantage_estimator(grpo_cfg: GRPOConfig, loss_cfg: ClippedPGLossConfig) -> AdvantageEstimator:
+    """Pick the estimator named by grpo.adv_estimator; unset estimator fields inherit the grpo-level flags."""
+    adv_cfg = grpo_cfg.adv_estimator
+    if adv_cfg.name == "grpo":
+        normalize = adv_cfg.normalize_rewards
+        loo = adv_cfg.use_leave_one_out_baseline
+        return GRPOAdvantageEstimator(
+            normalize_rewards=grpo_cfg.normalize_rewards if normalize is None else normalize,
+            use_leave_one_out_baseline=grpo_cfg.use_leave_one_out_baseline if loo is None else loo,
+        )
+    if adv_cfg.name == "reinforce_plus_plus":
+        return ReinforcePlusPlusAdvantageEstimator(
+            minus_baseline=adv_cfg.minus_baseline,
+            use_kl_in_reward=loss_cfg.use_kl_in_reward,
+            kl_coef=loss_cfg.reference_policy_kl_penalty,
+            kl_type=loss_cfg.reference_policy_kl_type,
+        )
+    raise ValueError(f"Unknown advantage estimator {adv_cfg.name!r}; expected 'grpo' or 'reinforce_plus_plus'")
+
+
+def apply_advantage_overrides(advantages: torch.Tensor, overrides: torch.Tensor) -> torch.Tensor:
+    """Message-level penalties: where `overrides` is not NaN its value replaces the advantage.
+
+    Always returns a fresh, materialised tensor (the estimator's output may be a zero-stride broadcast view, and
+    writing into one would change every position of the row); the input is never modified.
+    """
+    overrides = overrides.to(device=advantages.device, dtype=advantages.dtype)  # [B, S]
+    return torch.where(torch.isnan(overrides), advantages, overrides).contiguous()  # [B, S]
+
+
+def clip_advantages(advantages: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    """clamp(min=low) then clamp(max=high); each bound is optional and both unset returns the input as is."""
+    if low is not None:
+        advantages = advantages.clamp(min=low)
+    if high is not None:
+        advantages = advantages.clamp(max=high)
+    return advantages
