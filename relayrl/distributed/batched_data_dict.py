@@ -37,8 +37,16 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
 
     # ------------------------------------------------------------------ row selection
     def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict[T]:
-        """Rows at `indices`, in that order (tensors gathered, lists picked)."""
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        """Rows at `indices`, in that order (tensors gathered, lists picked); a bool tensor acts as a row mask."""
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            if idx.dim() != 1 or idx.numel() != self.size:
+                raise ValueError(f"bool row mask of shape {tuple(idx.shape)} does not match {self.size} rows")
+            idx = idx.nonzero().flatten()
+        idx = idx.to(torch.long).flatten()
+        n = self.size
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"row indices must lie in [0, {n}); got min {int(idx.min())}, max {int(idx.max())}")
         idx_list = idx.tolist()
         out: BatchedDataDict[T] = type(self)()
         for k, v in self.items():
@@ -49,6 +57,13 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
             else:
                 out[k] = v
         return out
+
+    def select_keys(self, keys: Sequence[str]) -> BatchedDataDict[T]:
+        """A new batch holding only `keys` (values shared, not copied); a missing key raises KeyError."""
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise KeyError(f"BatchedDataDict has no key(s) {missing}; present: {sorted(self)}")
+        return type(self)({k: self[k] for k in keys})
 
     def slice(self, start: int, end: int) -> BatchedDataDict[T]:
         """Rows [start, end) as views (tensors) or shallow copies (lists)."""
@@ -133,6 +148,13 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
         out: BatchedDataDict[Any] = cls()
         if not batches:
             return out
+        keys = set(batches[0])
+        for i, b in enumerate(batches[1:], start=1):
+            if set(b) != keys:
+                raise ValueError(
+                    f"from_batches: batch {i} keys differ from batch 0 (missing {sorted(keys - set(b))}, "
+                    f"extra {sorted(set(b) - keys)})"
+                )
         for k in batches[0]:
             values = [b[k] for b in batches]
             first = values[0]

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image as mpimg
+import pytest
+
+from relayrl.utils.plot import main, plot_run, read_metrics
+
+
+def _write(run_dir: Path, rows: list[dict[str, Any]], tail: str = "") -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows) + tail
+    (run_dir / "metrics.jsonl").write_text(text)
+
+
+def _rows(n: int, with_critic: bool = False) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for s in range(1, n + 1):
+        row = {
+            "step": s,
+            "train/reward": s / n,
+            "train/kl_penalty": 0.01 * s,
+            "train/loss": 1.0 / s,
+            "train/mean_gen_tokens_per_sample": 10 + s,
+        }
+        if with_critic:
+            row["critic/loss"] = 2.0 / s
+        rows.append(row)
+        rows.append({"step": s, "timing/train/total_step_time": 1.5})
+    rows.append({"step": n, "validation/accuracy": 0.5})
+    return rows
+
+
+def test_read_metrics_merges_lines_by_step(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        [
+            {"step": 2, "train/reward": 0.2, "flag": True, "text": "x", "lst": [1]},
+            {"step": 1, "train/reward": 0.1},
+            {"step": 2, "train/reward": 0.25, "train/loss": 3},
+        ],
+    )
+    series = read_metrics(tmp_path / "metrics.jsonl")
+    assert series == {"train/reward": [(1, 0.1), (2, 0.25)], "train/loss": [(2, 3.0)]}
+
+
+def test_plot_run_writes_png(tmp_path: Path) -> None:
+    _write(tmp_path, _rows(12))
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "metrics.png"
+    img = mpimg.imread(out)
+    # 6 panels in a 3x2 grid at 100 dpi: 12 x 9.6 inches
+    assert img.shape[:2] == (960, 1200)
+    assert img.std() > 0.01  # something was drawn
+
+
+def test_cli_adds_value_loss_panel_when_present(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, _rows(5, with_critic=True))
+    out = tmp_path / "figs" / "ppo.png"
+    main([str(tmp_path), "-o", str(out)])
+    assert capsys.readouterr().out.strip() == str(out)
+    assert mpimg.imread(out).shape[:2] == (1280, 1200)  # 7 panels -> 4 rows
+
+
+def test_plot_run_tolerates_missing_metrics_and_truncated_line(tmp_path: Path) -> None:
+    _write(tmp_path, [{"step": 1, "train/reward": 0.5}], tail='{"step": 2, "train/rew')
+    with pytest.warns(UserWarning, match="metrics.jsonl:2"):
+        out = plot_run(tmp_path)
+    assert out.is_file()
+
+
+def test_missing_metrics_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path / "nope")
+
+
+def test_empty_metrics_file_names_it(tmp_path: Path) -> None:
+    _write(tmp_path, [], tail="\n\n")
+    with pytest.raises(ValueError, match=r"no metric rows: .*metrics\.jsonl"):
+        plot_run(tmp_path)
