@@ -38,4 +38,5 @@ class LossFunction(Protocol):
         data: dict[str, Any],  # token-aligned [B, S] tensors + sample_mask [B]
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
+        /,
     ) -> tuple[torch.Tensor, dict[str, Any]]: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -100,7 +100,7 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
 
     # ------------------------------------------------------------------ sharding and micro-batches
     def shard_by_batch_size(
-        self, shards: int, batch_size: Optional[int] = None, allow_uneven_shards: bool = False
+        self, shards: int, batch_size: int | None = None, allow_uneven_shards: bool = False
     ) -> list[BatchedDataDict[T]]:
         """Split rows across `shards` data-parallel ranks.
 
@@ -141,7 +141,7 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
     # ------------------------------------------------------------------ assembly
     @classmethod
     def from_batches(
-        cls, batches: Sequence[dict[str, Any]], pad_value_dict: Optional[dict[str, Any]] = None
+        cls, batches: Sequence[dict[str, Any]], pad_value_dict: dict[str, Any] | None = None
     ) -> BatchedDataDict[Any]:
         """Concatenate batches row-wise; 2-D+ tensors are right-padded on dim 1 to the longest (pad 0 or per key)."""
         pad_value_dict = pad_value_dict or {}
@@ -187,7 +187,7 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
         return dict(self)
 
 
-def _rows(v: Any) -> Optional[int]:
+def _rows(v: Any) -> int | None:
     if isinstance(v, torch.Tensor):
         return v.shape[0] if v.dim() > 0 else None
     if isinstance(v, list):

@@ -7,7 +7,7 @@ against the reference interfaces ports over unchanged.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Optional, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -58,13 +58,13 @@ class PolicyInterface(ABC):
 
     @abstractmethod
     def get_reference_policy_logprobs(
-        self, data: BatchedDataDict[GenerationDatumSpec], micro_batch_size: Optional[int] = None
+        self, data: BatchedDataDict[GenerationDatumSpec], micro_batch_size: int | None = None
     ) -> BatchedDataDict[ReferenceLogprobOutputSpec]:
         """Get logprobs of actions from observations under the frozen reference policy."""
 
     @abstractmethod
     def get_topk_logits(
-        self, data: BatchedDataDict[GenerationDatumSpec], k: int, micro_batch_size: Optional[int] = None
+        self, data: BatchedDataDict[GenerationDatumSpec], k: int, micro_batch_size: int | None = None
     ) -> BatchedDataDict[TopkLogitsOutputSpec]:
         """Get per-position top-k logits and global indices for a batch of inputs.
 
@@ -78,8 +78,8 @@ class PolicyInterface(ABC):
         loss_fn: LossFunction,
         eval_mode: bool = False,
         *,
-        gbs: Optional[int] = None,
-        mbs: Optional[int] = None,
+        gbs: int | None = None,
+        mbs: int | None = None,
     ) -> dict[str, Any]:
         """Train the policy on a global batch of data.
 
@@ -95,7 +95,7 @@ class PolicyInterface(ABC):
     def calibrate_qkv_fp8_scales(
         self,
         data: BatchedDataDict[GenerationDatumSpec],
-        micro_batch_size: Optional[int] = None,
+        micro_batch_size: int | None = None,
         percentile: float = 99.9,
         margin: float = 1.05,
         include_q: bool = False,
@@ -142,7 +142,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         """Move training weights off the device once generation holds them."""
 
     @abstractmethod
-    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
+    def prepare_refit_info(self) -> dict[str, Any] | None:
         """Describe the streamed tensors: {name: (shape, dtype)}."""
 
     @abstractmethod
@@ -150,7 +150,7 @@ class ColocatablePolicyInterface(PolicyInterface):
         """Stream weights to a colocated generation worker in size-bounded buckets over ZMQ IPC."""
 
     @abstractmethod
-    def broadcast_weights_for_collective(self, kv_scales: Optional[dict[str, float]] = None) -> list[Any]:
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[Any]:
         """Broadcast weights (and FP8 KV scales when given) to non-colocated generation workers."""
 
     @abstractmethod

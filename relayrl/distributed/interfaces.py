@@ -1,0 +1,60 @@
+"""Typed contracts between a driver-side façade (Policy, Value) and the workers that do the compute.
+
+Two small protocols keep the façade ignorant of where workers live:
+
+* `WorkerGroup`: how the driver calls every worker (same arguments, or one data shard each) and collects results.
+  The local executor hosts workers as plain objects in the driver process; a Ray group hosts them as actors. Both
+  block until every worker has answered and return results in rank order.
+* `Collective`: how workers of one data-parallel group talk to each other (sum gradients and global counts,
+  broadcast initial weights, gather small python objects). On the local executor it is a no-op for one worker or a
+  thread barrier for several; under Ray it wraps a torch.distributed process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+W_co = TypeVar("W_co", covariant=True)
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """Data-parallel communication seen from one rank. Every rank must make the same calls in the same order."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Replace `tensor` (in place) by the element-wise sum over ranks; identical on every rank."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite `tensor` (in place) on every rank with rank `src`'s values."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (small picklable objects only)."""
+
+
+@runtime_checkable
+class WorkerGroup(Protocol[W_co]):
+    """A fixed set of workers, one per data-parallel rank, driven by method name."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method(*args, **kwargs)` on every worker; results in rank order."""
+
+    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method(shards[r], *args, **kwargs)` on worker r (one shard per worker); results in rank order."""
+
+    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on rank 0 only (checkpoint writes, refit metadata)."""
+
+    def shutdown(self) -> bool:
+        """Release the workers; idempotent."""

@@ -1,0 +1,199 @@
+"""The local executor: workers are plain objects in the driver process.
+
+With one worker a call is a direct method call (no threads, exceptions propagate as they are). With several
+workers each call runs one thread per worker so that their collectives (gradient sums, count sums) can meet at a
+barrier; torch kernels release the GIL, so this is real data parallelism on a multi-core host and, above all, it
+exercises exactly the code path a multi-process group runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+import torch
+
+W = TypeVar("W")
+
+
+class SingleProcessCollective:
+    """The collective of a data-parallel group of one: every operation is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if src != 0:
+            raise ValueError(f"broadcast source rank {src} does not exist in a group of 1")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class _ThreadHub:
+    """State shared by the ranks of one in-process group: a barrier and one exchange slot per rank."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.barrier = threading.Barrier(world_size)
+        self.slots: list[Any] = [None] * world_size
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        """Publish `value`, wait for every rank, and return all published values (valid until `done`)."""
+        self.slots[rank] = value
+        self.barrier.wait()
+        return self.slots
+
+    def done(self) -> None:
+        """Second barrier: nobody reuses the slots (or mutates a published tensor) until everyone has read them."""
+        self.barrier.wait()
+
+
+class ThreadCollective:
+    """One rank's view of an in-process group whose ranks run in separate threads."""
+
+    def __init__(self, hub: _ThreadHub, rank: int) -> None:
+        self._hub = hub
+        self._rank = rank
+
+    @classmethod
+    def create_group(cls, world_size: int) -> list[ThreadCollective]:
+        """One collective per rank, all sharing a hub."""
+        hub = _ThreadHub(world_size)
+        return [cls(hub, r) for r in range(world_size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._hub.world_size
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        slots = self._hub.exchange(self._rank, tensor)
+        # Every rank adds in rank order, so all ranks get bitwise-identical sums.
+        total = slots[0].detach().clone()
+        for other in slots[1:]:
+            total += other.to(total.device)
+        self._hub.done()
+        tensor.copy_(total)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast source rank {src} does not exist in a group of {self.world_size}")
+        slots = self._hub.exchange(self._rank, tensor)
+        if self._rank != src:
+            tensor.copy_(slots[src])
+        self._hub.done()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered = list(self._hub.exchange(self._rank, obj))
+        self._hub.done()
+        return gathered
+
+    def abort(self) -> None:
+        """Release ranks blocked at the barrier (they raise BrokenBarrierError) after another rank failed."""
+        self._hub.barrier.abort()
+
+    def reset(self) -> None:
+        """Make the group usable again once every thread has returned."""
+        self._hub.barrier.reset()
+        self._hub.slots = [None] * self._hub.world_size
+
+
+class LocalWorkerGroup(Generic[W]):
+    """`num_workers` workers built in this process; worker r is `worker_cls(rank=r, comm=<collective>, **kwargs)`."""
+
+    def __init__(self, worker_cls: Callable[..., W], num_workers: int = 1, **init_kwargs: Any) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self._comms: list[Any]
+        if num_workers == 1:
+            self._comms = [SingleProcessCollective()]
+        else:
+            self._comms = ThreadCollective.create_group(num_workers)
+        self._workers: list[W] = []
+        # Workers are built concurrently too: their constructors may use collectives (e.g. broadcast rank 0's
+        # freshly initialised weights so every replica starts identical).
+        calls = [partial(worker_cls, rank=r, comm=c, **init_kwargs) for r, c in enumerate(self._comms)]
+        self._workers = self._parallel(calls)
+        self._closed = False
+
+    # ------------------------------------------------------------------ WorkerGroup protocol
+    @property
+    def world_size(self) -> int:
+        return len(self._comms)
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._parallel([self._bound(w, method, *args, **kwargs) for w in self._live_workers()])
+
+    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        workers = self._live_workers()
+        if len(shards) != len(workers):
+            raise ValueError(f"run_sharded got {len(shards)} shards for {len(workers)} workers")
+        return self._parallel([self._bound(w, method, s, *args, **kwargs) for w, s in zip(workers, shards)])
+
+    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._bound(self._live_workers()[0], method, *args, **kwargs)()
+
+    def shutdown(self) -> bool:
+        if not self._closed:
+            for w in self._workers:
+                close = getattr(w, "shutdown", None)
+                if callable(close):
+                    close()
+            self._workers = []
+            self._closed = True
+        return True
+
+    # ------------------------------------------------------------------ local-only access
+    def worker(self, rank: int = 0) -> W:
+        """The worker object itself (local executor only): lets a colocated engine read live weights, no copy."""
+        return self._live_workers()[rank]
+
+    # ------------------------------------------------------------------ internals
+    def _live_workers(self) -> list[W]:
+        if self._closed:
+            raise RuntimeError("this worker group has been shut down")
+        return self._workers
+
+    @staticmethod
+    def _bound(worker: W, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        fn = getattr(worker, method, None)
+        if not callable(fn):
+            raise AttributeError(f"{type(worker).__name__} has no method {method!r}")
+        return lambda: fn(*args, **kwargs)
+
+    def _parallel(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run one call per rank; with several ranks each in its own thread. Re-raises the first real error."""
+        if len(calls) == 1:
+            return [calls[0]()]
+        results: list[Any] = [None] * len(calls)
+        errors: list[BaseException | None] = [None] * len(calls)
+
+        def target(r: int) -> None:
+            try:
+                results[r] = calls[r]()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the driver thread below
+                errors[r] = exc
+                self._comms[r].abort()
+
+        threads = [threading.Thread(target=target, args=(r,), name=f"local-worker-{r}") for r in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [e for e in errors if e is not None]
+        if failed:
+            for c in self._comms:
+                c.reset()
+            # A rank released by abort() raises BrokenBarrierError; report the rank that actually failed.
+            root = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
+            raise root
+        return results

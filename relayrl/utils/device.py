@@ -1,0 +1,86 @@
+"""Device selection and the few device-specific calls the workers make.
+
+This is the only module that mentions CUDA, so the rest of the code runs unchanged on a CPU-only machine and every
+"is there a GPU?" decision is made (and can be tested) in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+Precision = Literal["float32", "bfloat16", "float16"]
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def select_device(preference: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device a worker of `local_rank` computes on: `auto` takes a GPU when one is visible, else the CPU."""
+    if preference not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"cluster.device must be 'auto', 'cpu' or 'cuda', got {preference!r}")
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("cluster.device is 'cuda' but torch sees no CUDA device (CPU-only torch build or no GPU)")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """True when tensors on `device` live off the host (moves are real copies, caches are worth emptying)."""
+    return device.type == "cuda"
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """torch dtype of a `policy.precision` string."""
+    if precision not in _DTYPES:
+        raise ValueError(f"policy.precision must be one of {sorted(_DTYPES)}, got {precision!r}")
+    return _DTYPES[precision]
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, precision: str) -> Iterator[None]:
+    """Run the forward in `precision` while the master weights stay float32 (no-op for float32)."""
+    dtype = precision_dtype(precision)
+    if dtype == torch.float32:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+def empty_cache(device: torch.device) -> None:
+    """Return cached allocator blocks to the driver after a phase change (no-op on CPU)."""
+    if is_accelerator(device):
+        torch.cuda.empty_cache()
+
+
+def device_name(device: torch.device) -> str:
+    """Human-readable name of the worker's device, for worker reports."""
+    if is_accelerator(device):
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move every tensor of the optimizer state (Adam moments, step counters) to `device` in place."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                state[key] = value.to(device, non_blocking=False)
+
+
+def apply_runtime_settings(deterministic: bool = False, num_threads: int | None = None) -> None:
+    """Process-wide torch settings from `cluster.*`: bitwise-reproducible kernels and intra-op thread count.
+
+    Only switches things on: a policy built without `deterministic` leaves a caller's global choice alone.
+    """
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if deterministic:
+        # cuBLAS needs a fixed workspace for deterministic GEMMs; harmless on CPU.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)

@@ -1,0 +1,123 @@
+"""LocalWorkerGroup and its in-process collectives: dispatch, rank order, sums, broadcast, error handling."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from relayrl.distributed.interfaces import Collective, WorkerGroup
+from relayrl.distributed.local import LocalWorkerGroup, SingleProcessCollective, ThreadCollective
+
+
+class ToyWorker:
+    """Holds a rank-dependent tensor; methods exercise every collective."""
+
+    def __init__(self, *, rank: int, comm: Collective, scale: float = 1.0) -> None:
+        self.rank = rank
+        self.comm = comm
+        self.value = torch.full((3,), float(rank + 1) * scale)  # [3]
+        self.closed = False
+
+    def whoami(self, suffix: str = "") -> str:
+        return f"rank{self.rank}/{self.comm.world_size}{suffix}"
+
+    def total(self) -> torch.Tensor:
+        t = self.value.clone()
+        self.comm.all_reduce_sum(t)
+        return t
+
+    def take_from(self, src: int) -> torch.Tensor:
+        t = self.value.clone()
+        self.comm.broadcast(t, src=src)
+        return t
+
+    def gather(self, obj: Any) -> list[Any]:
+        return self.comm.all_gather_object((self.rank, obj))
+
+    def double(self, shard: list[int]) -> list[int]:
+        return [2 * x for x in shard]
+
+    def fail_on(self, bad_rank: int) -> torch.Tensor:
+        if self.rank == bad_rank:
+            raise ValueError(f"rank {self.rank} failed on purpose")
+        return self.total()  # the healthy ranks block here until the failure aborts the barrier
+
+    def shutdown(self) -> bool:
+        self.closed = True
+        return True
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_dispatch_in_rank_order(n: int) -> None:
+    group = LocalWorkerGroup(ToyWorker, n, scale=2.0)
+    assert isinstance(group, WorkerGroup) and group.world_size == n
+    assert group.run_all("whoami", suffix="!") == [f"rank{r}/{n}!" for r in range(n)]
+    shards = [[r, r + 10] for r in range(n)]
+    assert group.run_sharded("double", shards) == [[2 * r, 2 * r + 20] for r in range(n)]
+    assert group.run_rank0("whoami") == f"rank0/{n}"
+    assert group.worker(n - 1).rank == n - 1
+    assert group.worker(0).value[0].item() == 2.0  # init kwargs reach every worker
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_all_reduce_sum_is_identical_on_every_rank(n: int) -> None:
+    group = LocalWorkerGroup(ToyWorker, n)
+    totals = group.run_all("total")
+    expected = torch.full((3,), float(n * (n + 1) // 2))
+    for t in totals:
+        assert torch.equal(t, expected)
+    # repeated calls reuse the same hub safely
+    assert all(torch.equal(t, expected) for t in group.run_all("total"))
+
+
+def test_broadcast_and_gather() -> None:
+    group = LocalWorkerGroup(ToyWorker, 3)
+    assert all(torch.equal(t, torch.full((3,), 3.0)) for t in group.run_all("take_from", 2))
+    assert group.run_all("gather", "x") == [[(0, "x"), (1, "x"), (2, "x")]] * 3
+    with pytest.raises(ValueError, match="source rank 5"):
+        group.run_all("take_from", 5)
+
+
+def test_failure_on_one_rank_raises_root_cause_and_group_recovers() -> None:
+    group = LocalWorkerGroup(ToyWorker, 3)
+    with pytest.raises(ValueError, match="rank 1 failed on purpose"):
+        group.run_all("fail_on", 1)
+    assert all(torch.equal(t, torch.full((3,), 6.0)) for t in group.run_all("total"))
+    assert threading.active_count() < 10  # no worker thread left blocked at a barrier
+
+
+def test_bad_calls_are_named() -> None:
+    group = LocalWorkerGroup(ToyWorker, 2)
+    with pytest.raises(ValueError, match="3 shards for 2 workers"):
+        group.run_sharded("double", [[1], [2], [3]])
+    with pytest.raises(AttributeError, match="no method 'nope'"):
+        group.run_all("nope")
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
+        LocalWorkerGroup(ToyWorker, 0)
+
+
+def test_shutdown_is_idempotent_and_closes_workers() -> None:
+    group = LocalWorkerGroup(ToyWorker, 2)
+    workers = [group.worker(0), group.worker(1)]
+    assert group.shutdown() and group.shutdown()
+    assert all(w.closed for w in workers)
+    with pytest.raises(RuntimeError, match="shut down"):
+        group.run_all("whoami")
+
+
+def test_single_process_collective_is_identity() -> None:
+    comm = SingleProcessCollective()
+    assert isinstance(comm, Collective) and comm.rank == 0 and comm.world_size == 1
+    t = torch.tensor([1.5, -2.0])
+    comm.all_reduce_sum(t)
+    comm.broadcast(t, src=0)
+    assert t.tolist() == [1.5, -2.0] and comm.all_gather_object("a") == ["a"]
+
+
+def test_thread_collective_ranks() -> None:
+    comms = ThreadCollective.create_group(2)
+    assert [c.rank for c in comms] == [0, 1] and all(c.world_size == 2 for c in comms)
+    assert all(isinstance(c, Collective) for c in comms)
