@@ -1,0 +1,67 @@
+"""Observability: the metered wrapper counts ops, keys, bytes, latency, errors, held and driver bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from relayrl.data_plane import build_data_plane_client
+from relayrl.data_plane.codec import Column
+from relayrl.data_plane.interfaces import MissingKeysError
+from relayrl.data_plane.memory import ColumnarStore, MemoryDataPlaneClient
+from relayrl.data_plane.metrics import MeteredDataPlaneClient
+
+
+def _client(is_driver: bool = True) -> tuple[MeteredDataPlaneClient, list[dict[str, Any]]]:
+    events: list[dict[str, Any]] = []
+    c = MeteredDataPlaneClient(MemoryDataPlaneClient(ColumnarStore()), is_driver=is_driver, on_event=events.append)
+    c.register_partition("train", ["x", "ids"], 4, ["t"])
+    return c, events
+
+
+def test_put_get_clear_are_counted_with_bytes_and_keys() -> None:
+    c, events = _client()
+    c.put_samples(list("abcd"), "train", {"x": torch.zeros(4, dtype=torch.float32)})
+    ids = Column(torch.zeros(10, dtype=torch.int64), torch.tensor([1, 2, 3, 4]))
+    c.put_samples(list("abcd"), "train", {"ids": ids})
+    c.get_samples(["b", "d"], "train", ["x", "ids"])
+    assert c.clear_samples(None, "train") == 4
+    m = c.metrics()
+    assert m["data_plane/put/count"] == 2 and m["data_plane/put/keys"] == 8
+    assert m["data_plane/put/bytes"] == 16 + 80 + 32
+    assert m["data_plane/get/bytes"] == 8 + (2 + 4) * 8 + 16
+    assert m["data_plane/clear/keys"] == 4 and m["data_plane/register/count"] == 1
+    assert m["data_plane/driver_bytes"] == m["data_plane/put/bytes"] + m["data_plane/get/bytes"]
+    assert m["data_plane/get/ms_max"] >= m["data_plane/get/ms_mean"] > 0
+    assert [e["op"] for e in events] == ["register", "put", "put", "get", "clear"]
+    assert events[1] == {**events[1], "n_keys": 4, "n_bytes": 16, "status": "ok"}
+
+
+def test_errors_are_counted_and_reraised() -> None:
+    c, events = _client()
+    with pytest.raises(MissingKeysError):
+        c.get_samples(["nope"], "train", ["x"])
+    m = c.metrics()
+    assert m["data_plane/get/errors"] == 1 and m["data_plane/get/bytes"] == 0
+    assert events[-1]["status"] == "MissingKeysError"
+
+
+def test_held_bytes_per_partition_and_reset() -> None:
+    c, _ = _client(is_driver=False)
+    c.register_partition("val", ["x"], 2, ["v"])
+    c.put_samples(["a", "b"], "train", {"x": torch.zeros(2, 4, dtype=torch.float64)})
+    m = c.metrics(reset=True)
+    assert m["data_plane/held_bytes/train"] == 64 and m["data_plane/held_bytes/val"] == 0
+    assert m["data_plane/held_bytes_total"] == 64 and m["data_plane/driver_bytes"] == 0  # a worker client
+    after = c.metrics()
+    assert "data_plane/put/count" not in after and after["data_plane/held_bytes/train"] == 64
+
+
+def test_factory_clients_are_metered_and_close_twice() -> None:
+    c = build_data_plane_client({"enabled": True, "backend": "memory"})
+    assert isinstance(c, MeteredDataPlaneClient)
+    c.close()
+    c.close()
+    assert c.metrics()["data_plane/close/count"] == 2
