@@ -1,0 +1,48 @@
+"""Environment registry: the task names a dataset uses map to environments built from `env.*` config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from relayrl.config import EnvConfig, MasterConfig
+from relayrl.environments.interfaces import EnvironmentInterface
+
+EnvFactory = Callable[[EnvConfig], EnvironmentInterface]
+
+
+def _make_math(cfg: EnvConfig) -> EnvironmentInterface:
+    from relayrl.environments.math_env import MathEnvironment  # math-verify is slow to import; load on use
+
+    return MathEnvironment(cfg.math)
+
+
+ENV_REGISTRY: dict[str, EnvFactory] = {"math": _make_math}
+
+
+def register_env(name: str, factory: EnvFactory) -> None:
+    """Make `name` usable as a task name; re-registering a name is an error so plugins cannot collide silently."""
+    if name in ENV_REGISTRY:
+        raise ValueError(f"environment {name!r} is already registered")
+    ENV_REGISTRY[name] = factory
+
+
+def create_env(name: str, cfg: EnvConfig | None = None) -> EnvironmentInterface:
+    """Build the environment registered as `name`."""
+    if name not in ENV_REGISTRY:
+        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(sorted(ENV_REGISTRY))}")
+    return ENV_REGISTRY[name](cfg or EnvConfig())
+
+
+def create_task_to_env(task_names: Iterable[str], cfg: EnvConfig | None = None) -> dict[str, EnvironmentInterface]:
+    """One environment instance per distinct task name, as `run_multi_turn_rollout` expects."""
+    return {name: create_env(name, cfg) for name in dict.fromkeys(task_names)}
+
+
+def build_environments(cfg: MasterConfig, task_names: Iterable[str] = ()) -> dict[str, EnvironmentInterface]:
+    """Environments for the configured datasets' default tasks plus `task_names` (e.g. a dataset's `task_names`,
+    which also covers per-row task fields); every name must be registered.
+    """
+    names = [cfg.data.train.default_task]
+    if cfg.data.validation is not None:
+        names.append(cfg.data.validation.default_task)
+    return create_task_to_env([*names, *task_names], cfg.env)

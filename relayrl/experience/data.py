@@ -1,0 +1,293 @@
+"""Prompt datasets and their loaders: the built-in arithmetic task or a local JSONL / Parquet file.
+
+Every row is checked and tokenized when the dataset is built, so a missing field or an over-long prompt fails at
+start-up with the row named, not hours into a run; nothing is truncated. Each item is one prompt in the form the
+rollout consumes: a message log whose token ids are exactly the chat-template rendering of the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Subset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from relayrl.config import DataConfig, DatasetConfig, MasterConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.experience.arithmetic import all_problems, split_problems
+
+_SUFFIXES = (".jsonl", ".parquet")
+_CHUNK = 1024  # prompts rendered and tokenized per call
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One raw prompt: either `prompt` text or a `messages` list, plus its answer and task (environment) name."""
+
+    answer: str
+    task: str
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...)
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL or Parquet file (format from the extension) as dicts."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file does not exist: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ValueError(f"unsupported dataset file extension {suffix!r} for {path}; use .jsonl or .parquet")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {line_no}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: str) -> list[PromptRecord]:
+    """Validate and convert file rows; errors name the 1-based row and the missing field."""
+    if not rows:
+        raise ValueError(f"dataset {source} is empty")
+    records = []
+    for n, row in enumerate(rows, start=1):
+        answer = row.get(cfg.answer_field)
+        if answer is None:
+            raise ValueError(f"dataset {source} row {n}: missing answer field {cfg.answer_field!r}")
+        task = row.get(cfg.task_field) if cfg.task_field else None
+        task = str(task) if task is not None else cfg.default_task
+        messages = row.get(cfg.messages_field)
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise ValueError(f"dataset {source} row {n}: field {cfg.messages_field!r} must be a non-empty list")
+            pairs = []
+            for m in messages:
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(
+                        f"dataset {source} row {n}: every message in {cfg.messages_field!r} needs string role and content"
+                    )
+                pairs.append((m["role"], m["content"]))
+            records.append(PromptRecord(answer=str(answer), task=task, messages=tuple(pairs)))
+        elif row.get(cfg.prompt_field) is not None:
+            records.append(PromptRecord(answer=str(answer), task=task, prompt=str(row[cfg.prompt_field])))
+        else:
+            raise ValueError(
+                f"dataset {source} row {n}: has neither prompt field {cfg.prompt_field!r} "
+                f"nor messages field {cfg.messages_field!r}"
+            )
+    return records
+
+
+def _arithmetic_records(data: DataConfig, task: str) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    a = data.arithmetic
+    train, val = split_problems(all_problems(a.min_operand, a.max_operand, a.operations), a.num_val_problems)
+    return [PromptRecord(p.answer, task, prompt=p.problem) for p in train], [
+        PromptRecord(p.answer, task, prompt=p.problem) for p in val
+    ]
+
+
+def load_records(cfg: MasterConfig) -> tuple[list[PromptRecord], list[PromptRecord] | None]:
+    """(train, validation) records; validation is None when the config asks for none."""
+    data = cfg.data
+    train_cfg, val_cfg = data.train, data.validation
+    if train_cfg.source == "arithmetic":
+        train, val = _arithmetic_records(data, train_cfg.default_task)
+    else:
+        train = records_from_rows(read_rows(_path(train_cfg, "data.train")), train_cfg, str(train_cfg.path))
+        val = None
+        if val_cfg is None and train_cfg.split_validation_size > 0:
+            order = list(range(len(train)))
+            random.Random(cfg.grpo.seed).shuffle(order)
+            num_val = max(1, round(train_cfg.split_validation_size * len(train)))
+            if num_val >= len(train):
+                raise ValueError(f"data.train.split_validation_size leaves no training rows out of {len(train)}")
+            held = set(order[:num_val])
+            val = [r for i, r in enumerate(train) if i in held]
+            train = [r for i, r in enumerate(train) if i not in held]
+    if val_cfg is not None:
+        if val_cfg.source == "arithmetic":
+            val = _arithmetic_records(data, val_cfg.default_task)[1]
+        else:
+            val = records_from_rows(read_rows(_path(val_cfg, "data.validation")), val_cfg, str(val_cfg.path))
+    return train, val
+
+
+def _path(cfg: DatasetConfig, key: str) -> str:
+    if not cfg.path:
+        raise ValueError(f"{key}.path is required when {key}.source is 'file'")
+    return cfg.path
+
+
+# ---------------------------------------------------------------------------------------------------- dataset
+class PromptDataset(Dataset):
+    """Tokenized prompts. Items: `message_log` (one message holding the rendered prompt and all its token ids),
+    `length`, `extra_env_info` ({"ground_truth": answer}), `task_name`, `loss_multiplier` 1.0 and `idx`.
+
+    Prompts over `max_prompt_length` tokens raise, or with `skip_overlong_prompts` are dropped and counted in
+    `num_skipped_overlong`.
+    """
+
+    def __init__(
+        self,
+        records: list[PromptRecord],
+        tokenizer: Any,
+        *,
+        max_prompt_length: int,
+        system_prompt: str | None = None,
+        prompt_template: str | None = None,
+        skip_overlong_prompts: bool = False,
+        name: str = "dataset",
+    ) -> None:
+        if not records:
+            raise ValueError(f"{name} is empty")
+        _check_template(prompt_template)
+        self.name = name
+        self.num_skipped_overlong = 0
+        self._items: list[tuple[str, torch.Tensor, str, str]] = []  # (rendered, ids [P], answer, task)
+        conversations = []
+        for rec in records:
+            if rec.messages is not None:
+                messages = [{"role": r, "content": c} for r, c in rec.messages]
+            else:
+                content = prompt_template.format(problem=rec.prompt) if prompt_template else rec.prompt
+                messages = [{"role": "user", "content": content}]
+            if system_prompt is not None and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            conversations.append(messages)
+        for start in range(0, len(records), _CHUNK):  # batched rendering and tokenization: several times faster
+            chunk = conversations[start : start + _CHUNK]
+            rendered = tokenizer.apply_chat_template(chunk, tokenize=False, add_generation_prompt=True)
+            token_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            for k, (text, ids) in enumerate(zip(rendered, token_ids)):
+                n = start + k + 1
+                if len(ids) > max_prompt_length:
+                    if skip_overlong_prompts:
+                        self.num_skipped_overlong += 1
+                        continue
+                    raise ValueError(
+                        f"{name} row {n}: prompt is {len(ids)} tokens, over the limit of {max_prompt_length} "
+                        "(data.max_input_seq_length, else policy.max_total_sequence_length - "
+                        "policy.generation.max_new_tokens); set data.skip_overlong_prompts to skip such rows"
+                    )
+                rec = records[n - 1]
+                self._items.append((text, torch.tensor(ids, dtype=torch.long), rec.answer, rec.task))
+        if not self._items:
+            raise ValueError(f"{name}: all {len(records)} prompts are over the limit of {max_prompt_length} tokens")
+        #: Every task (environment) name the rows use, for building the task -> environment map.
+        self.task_names: list[str] = sorted({item[3] for item in self._items})
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        rendered, ids, answer, task = self._items[i]
+        return {
+            "message_log": [{"role": "user", "content": rendered, "token_ids": ids.clone()}],
+            "length": len(ids),
+            "extra_env_info": {"ground_truth": answer},
+            "task_name": task,
+            "loss_multiplier": 1.0,
+            "idx": i,
+        }
+
+
+def _check_template(template: str | None) -> None:
+    if template is None:
+        return
+    try:
+        template.format(problem="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"data.prompt_template is not a format string with only a {{problem}} field ({type(e).__name__}: {e}); "
+            "write literal braces as {{ and }}"
+        ) from None
+
+
+def rl_collate_fn(rows: list[dict[str, Any]]) -> BatchedDataDict:
+    """Stack dataset items into the batch the rollout takes: lists for logs and infos, tensors for numbers."""
+    return BatchedDataDict(
+        message_log=[r["message_log"] for r in rows],
+        length=torch.tensor([r["length"] for r in rows], dtype=torch.long),  # [B]
+        extra_env_info=[r["extra_env_info"] for r in rows],
+        task_name=[r["task_name"] for r in rows],
+        loss_multiplier=torch.tensor([r["loss_multiplier"] for r in rows], dtype=torch.float32),  # [B]
+        idx=torch.tensor([r["idx"] for r in rows], dtype=torch.long),  # [B]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- loaders
+def build_datasets(cfg: MasterConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+    """The train dataset and, when configured, the validation dataset."""
+    train_records, val_records = load_records(cfg)
+    common = {
+        "max_prompt_length": cfg.max_prompt_length,
+        "system_prompt": cfg.data.system_prompt,
+        "prompt_template": cfg.data.prompt_template,
+        "skip_overlong_prompts": cfg.data.skip_overlong_prompts,
+    }
+    train = PromptDataset(train_records, tokenizer, name="training set", **common)
+    val = PromptDataset(val_records, tokenizer, name="validation set", **common) if val_records is not None else None
+    return train, val
+
+
+def build_dataloaders(cfg: MasterConfig, tokenizer: Any) -> tuple[StatefulDataLoader, StatefulDataLoader | None]:
+    """Train loader (seeded shuffle, whole batches only, resumable mid-epoch) and validation loader (in order)."""
+    train, val = build_datasets(cfg, tokenizer)
+    g = cfg.grpo
+    batch_size = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)
+    if len(train) < batch_size:
+        raise ValueError(
+            f"training set has {len(train)} prompts, fewer than one batch of {batch_size} "
+            "(grpo.num_prompts_per_step, times grpo.batch_multiplier under dynamic sampling)"
+        )
+    generator = torch.Generator()
+    generator.manual_seed(g.seed)
+    train_loader = _loader(
+        train,
+        batch_size=batch_size,
+        shuffle=cfg.data.shuffle,
+        generator=generator,
+        drop_last=True,
+        collate_fn=rl_collate_fn,
+        num_workers=cfg.data.num_workers,
+    )
+    val_loader = None
+    if val is not None:
+        val_subset = Subset(val, range(min(len(val), g.max_val_samples)))
+        val_loader = _loader(
+            val_subset,
+            batch_size=g.val_batch_size,
+            shuffle=False,
+            collate_fn=rl_collate_fn,
+            num_workers=cfg.data.num_workers,
+        )
+    return train_loader, val_loader
+
+
+def _loader(dataset: Dataset, **kwargs: Any) -> StatefulDataLoader:
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in newer torch
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, **kwargs)

@@ -1,0 +1,320 @@
+"""Multi-turn rollouts: generate, score, append the environment's answer, repeat; plus message-log flattening.
+
+A message log is a list of messages `{"role", "content", "token_ids": LongTensor[n], ...}`; generated assistant
+messages also carry `generation_logprobs` (FloatTensor[n]) and, when the environment flags them, `flags`. The
+trainer turns finished logs into right-padded [B, S] training tensors with `add_token_loss_masks` and
+`batched_message_log_to_flat_message`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
+from relayrl.models.generation.interfaces import GenerationInterface
+
+log = logging.getLogger(__name__)
+
+#: Per-token message keys that flattening concatenates, with the value used for messages that lack the key.
+#: A message without `generation_logprobs` was not sampled (0, as in GenerationOutputSpec); a missing
+#: `advantage_override` means "no override" (NaN).
+FLAT_KEYS: dict[str, float] = {
+    "token_ids": 0,
+    "token_loss_mask": 0,
+    "generation_logprobs": 0.0,
+    "advantage_override": math.nan,
+}
+
+
+def run_multi_turn_rollout(
+    policy_generation: GenerationInterface,
+    input_batch: BatchedDataDict,
+    tokenizer: Any,
+    task_to_env: dict[str, EnvironmentInterface],
+    max_seq_len: int,
+    max_rollout_turns: int = 1,
+    greedy: bool = False,
+) -> tuple[BatchedDataDict, dict[str, Any]]:
+    """Roll every row out for up to `max_rollout_turns` turns; returns the finished batch and rollout metrics.
+
+    Per turn, for the rows still active: flatten their logs, generate, append the assistant message, score with
+    the row's environment, append the observation message. The observation is appended even on the final turn
+    (reference behaviour), so training sequences end with environment tokens that are in the input but masked
+    from the loss. When prompt + generated + observation tokens reach `max_seq_len` the observation is cut to fit
+    and the row is marked truncated and done (a row that merely lands exactly on the limit is flagged too,
+    as in the reference). `truncated` is also set when the engine stopped on its token budget. The input batch
+    is not modified; the result adds `total_reward` [B] float32 and `truncated` [B] bool.
+    """
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        raise ValueError("tokenizer has no pad_token_id; rollouts right-pad generation inputs with it")
+    missing = [k for k in ("message_log", "extra_env_info", "task_name") if k not in input_batch]
+    if missing:
+        raise ValueError(f"rollout input batch is missing keys: {', '.join(missing)}")
+    batch = BatchedDataDict(input_batch)
+    batch["message_log"] = [list(msgs) for msgs in input_batch["message_log"]]
+    batch["extra_env_info"] = list(input_batch["extra_env_info"])
+    n = len(batch["message_log"])
+    stop_strings: list[Any] = list(input_batch.get("stop_strings") or [None] * n)
+    total_reward = torch.zeros(n, dtype=torch.float32)  # [B]
+    truncated = torch.zeros(n, dtype=torch.bool)  # [B]
+    terminated = torch.zeros(n, dtype=torch.bool)  # [B], ended by the environment
+    turns = torch.zeros(n, dtype=torch.long)  # [B]
+    gen_tokens = torch.zeros(n, dtype=torch.long)  # [B]
+    env_tokens = torch.zeros(n, dtype=torch.long)  # [B]
+    active = list(range(n))
+
+    for _ in range(max_rollout_turns):
+        if not active:
+            break
+        logs = [batch["message_log"][i] for i in active]
+        flat, input_lengths = batched_message_log_to_flat_message(logs, {"token_ids": pad_id})
+        gen_input = BatchedDataDict(
+            input_ids=flat["token_ids"],  # [A, S]
+            input_lengths=input_lengths,  # [A]
+            stop_strings=[stop_strings[i] for i in active],
+        )
+        out = policy_generation.generate(gen_input, greedy=greedy)
+        done = torch.zeros(len(active), dtype=torch.bool)  # [A]
+        gen_lens: list[int] = []
+        for j, i in enumerate(active):
+            start, g = int(input_lengths[j]), int(out["generation_lengths"][j])
+            if bool(out["truncated"][j]):
+                truncated[i] = True
+            if start + g > max_seq_len:  # an engine that ignored the context limit: keep what fits, flag it
+                log.warning(
+                    "row %d: generation ran %d tokens past max_seq_len=%d", i, start + g - max_seq_len, max_seq_len
+                )
+                g = max(0, max_seq_len - start)
+                truncated[i] = done[j] = True
+            ids = out["output_ids"][j, start : start + g].to(torch.long)  # [g]
+            batch["message_log"][i].append(
+                {
+                    "role": "assistant",
+                    "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+                    "token_ids": ids,
+                    "generation_logprobs": out["logprobs"][j, start : start + g].to(torch.float32),  # [g]
+                }
+            )
+            gen_lens.append(g)
+            gen_tokens[i] += g
+
+        env_out = calculate_rewards(
+            logs, [batch["task_name"][i] for i in active], [batch["extra_env_info"][i] for i in active], task_to_env
+        )
+        total_reward[active] += env_out.rewards.to(torch.float32)
+        for j, i in enumerate(active):
+            if env_out.message_flags is not None and env_out.message_flags[j]:
+                batch["message_log"][i][-1]["flags"] = dict(env_out.message_flags[j])
+            obs = env_out.observations[j]
+            obs_ids = torch.tensor(
+                tokenizer(obs["content"], add_special_tokens=False)["input_ids"], dtype=torch.long
+            )  # [o]
+            used = int(input_lengths[j]) + gen_lens[j]
+            if used + len(obs_ids) >= max_seq_len:
+                obs_ids = obs_ids[: max(0, max_seq_len - used)]
+                truncated[i] = done[j] = True
+            batch["message_log"][i].append({"role": obs["role"], "content": obs["content"], "token_ids": obs_ids})
+            env_tokens[i] += len(obs_ids)
+            turns[i] += 1
+            stop_strings[i] = env_out.next_stop_strings[j]
+            batch["extra_env_info"][i] = env_out.metadata[j]
+        env_done = env_out.terminateds.to(torch.bool)  # [A]
+        terminated[active] |= env_done
+        done |= env_done
+        active = [i for j, i in enumerate(active) if not done[j]]
+
+    max_turns_reached = torch.zeros(n, dtype=torch.bool)
+    max_turns_reached[active] = True
+    batch["total_reward"] = total_reward
+    batch["truncated"] = truncated
+    total_tokens = torch.tensor([sum(len(m["token_ids"]) for m in msgs) for msgs in batch["message_log"]])
+    metrics = {
+        "total_turns": int(turns.sum()),
+        "avg_turns_per_sample": _mean(turns),
+        "max_turns_per_sample": int(turns.max()) if n else 0,
+        "natural_termination_rate": _mean(terminated),
+        "truncation_rate": _mean(truncated),
+        "max_turns_reached_rate": _mean(max_turns_reached),
+        "mean_total_tokens_per_sample": _mean(total_tokens),
+        "mean_gen_tokens_per_sample": _mean(gen_tokens),
+        "max_gen_tokens_per_sample": int(gen_tokens.max()) if n else 0,
+        "mean_env_tokens_per_sample": _mean(env_tokens),
+    }
+    return batch, metrics
+
+
+def _mean(t: torch.Tensor) -> float:
+    return t.float().mean().item() if t.numel() else 0.0
+
+
+def calculate_rewards(
+    message_logs: Sequence[MessageLog],
+    task_names: Sequence[str],
+    extra_env_info: Sequence[dict[str, Any] | None],
+    task_to_env: dict[str, EnvironmentInterface],
+) -> EnvironmentReturn:
+    """One `env.step` per task over that task's rows (messages reduced to role and content), back in row order."""
+    n = len(message_logs)
+    if not (len(task_names) == len(extra_env_info) == n):
+        raise ValueError(f"calculate_rewards: {n} logs, {len(task_names)} task names, {len(extra_env_info)} infos")
+    rows_by_task: dict[str, list[int]] = {}
+    for i, task in enumerate(task_names):
+        rows_by_task.setdefault(task, []).append(i)
+    for task in rows_by_task:
+        if task not in task_to_env:
+            raise ValueError(f"No environment found for task type: {task}")
+
+    observations: list[Any] = [None] * n
+    metadata: list[Any] = [None] * n
+    next_stop: list[Any] = [None] * n
+    answers: list[str | None] = [None] * n
+    flags: list[dict[str, bool]] = [{} for _ in range(n)]
+    rewards = torch.zeros(n, dtype=torch.float32)  # [B]
+    terminateds = torch.zeros(n, dtype=torch.bool)  # [B]
+    any_answers = any_flags = False
+    for task, rows in rows_by_task.items():
+        logs = [[{"role": m["role"], "content": m["content"]} for m in message_logs[i]] for i in rows]
+        ret = task_to_env[task].step(logs, [extra_env_info[i] for i in rows])
+        if len(ret.observations) != len(rows) or ret.rewards.shape[0] != len(rows):
+            raise ValueError(
+                f"environment for task {task!r} returned {len(ret.observations)} observations and "
+                f"{ret.rewards.shape[0]} rewards for {len(rows)} rows"
+            )
+        idx = torch.tensor(rows, dtype=torch.long)
+        rewards[idx] = ret.rewards.to(torch.float32)
+        terminateds[idx] = ret.terminateds.to(torch.bool)
+        for j, i in enumerate(rows):
+            observations[i], metadata[i], next_stop[i] = ret.observations[j], ret.metadata[j], ret.next_stop_strings[j]
+        if ret.answers is not None:
+            any_answers = True
+            for j, i in enumerate(rows):
+                answers[i] = ret.answers[j]
+        if ret.message_flags is not None:
+            any_flags = True
+            for j, i in enumerate(rows):
+                flags[i] = dict(ret.message_flags[j] or {})
+    return EnvironmentReturn(
+        observations=observations,
+        metadata=metadata,
+        next_stop_strings=next_stop,
+        rewards=rewards,
+        terminateds=terminateds,
+        answers=answers if any_answers else None,
+        message_flags=flags if any_flags else None,
+    )
+
+
+def batched_message_log_to_flat_message(
+    message_logs: Sequence[MessageLog], pad_value_dict: dict[str, float], make_sequence_length_divisible_by: int = 1
+) -> tuple[BatchedDataDict, torch.Tensor]:
+    """Concatenate each row's per-token message tensors into right-padded [B, S] tensors; also returns lengths [B].
+
+    Keys handled: those of `FLAT_KEYS` that at least one message carries. A message lacking such a key contributes
+    that key's default (see `FLAT_KEYS`); padding uses `pad_value_dict[key]`, else the same default. S is the
+    longest row rounded up to a multiple of `make_sequence_length_divisible_by`.
+    """
+    if make_sequence_length_divisible_by < 1:
+        raise ValueError(f"make_sequence_length_divisible_by must be >= 1, got {make_sequence_length_divisible_by}")
+    keys = [k for k in FLAT_KEYS if any(k in m for msgs in message_logs for m in msgs)]
+    if "token_ids" not in keys:
+        keys.insert(0, "token_ids")
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    dtypes: dict[str, torch.dtype] = {}
+    for r, msgs in enumerate(message_logs):
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        for m_i, msg in enumerate(msgs):
+            if "token_ids" not in msg:
+                raise ValueError(f"row {r} message {m_i} ({msg.get('role')}) has no token_ids")
+            n_tok = len(msg["token_ids"])
+            for k in keys:
+                if k in msg:
+                    t = torch.as_tensor(msg[k])
+                    if t.shape != (n_tok,):
+                        raise ValueError(f"row {r} message {m_i}: {k} has shape {tuple(t.shape)}, token_ids ({n_tok},)")
+                    dtypes.setdefault(k, t.dtype)
+                    parts[k].append(t)
+                else:
+                    parts[k].append(torch.full((n_tok,), FLAT_KEYS[k]))  # dtype fixed on concatenation below
+        for k in keys:
+            rows[k].append(parts[k])
+    lengths = torch.tensor([sum(len(m["token_ids"]) for m in msgs) for msgs in message_logs], dtype=torch.long)  # [B]
+    longest = int(lengths.max()) if len(message_logs) else 0
+    width = -(-longest // make_sequence_length_divisible_by) * make_sequence_length_divisible_by
+    flat = BatchedDataDict()
+    for k in keys:
+        dtype = torch.long if k == "token_ids" else dtypes.get(k, torch.float32)
+        pad = pad_value_dict.get(k, FLAT_KEYS[k])
+        out = torch.full((len(message_logs), width), pad, dtype=dtype)  # [B, S]
+        for r, parts in enumerate(rows[k]):
+            if parts:
+                row = torch.cat([p.to(dtype) for p in parts])
+                out[r, : len(row)] = row
+        flat[k] = out
+    return flat, lengths
+
+
+def add_token_loss_masks(message_logs: Sequence[MessageLog], only_generated: bool = True) -> Sequence[MessageLog]:
+    """Give every message a `token_loss_mask` (1 on assistant tokens, and with `only_generated` only on those
+    sampled in this rollout) and a zero `generation_logprobs` where it has none. Edits in place; returns the logs.
+    """
+    for msgs in message_logs:
+        for msg in msgs:
+            n_tok = len(msg["token_ids"])
+            trained = msg["role"] == "assistant" and (not only_generated or "generation_logprobs" in msg)
+            msg["token_loss_mask"] = torch.full((n_tok,), int(trained), dtype=torch.long)  # [n]
+            if "generation_logprobs" not in msg:
+                msg["generation_logprobs"] = torch.zeros(n_tok, dtype=torch.float32)  # [n]
+    return message_logs
+
+
+def build_message_advantage_overrides(
+    message_logs: Sequence[MessageLog], flag_to_advantage: dict[str, float]
+) -> dict[str, int]:
+    """Set `advantage_override` on every message: NaN (keep the estimator's advantage), or for an assistant message
+    carrying a truthy flag from `flag_to_advantage` that flag's advantage (first match in dict order wins).
+
+    Flattening then yields a [B, S] override tensor. Returns how many messages each flag overrode.
+    """
+    counts = dict.fromkeys(flag_to_advantage, 0)
+    for msgs in message_logs:
+        for msg in msgs:
+            value = math.nan
+            if msg["role"] == "assistant":
+                flags = msg.get("flags") or {}
+                hit = next((f for f in flag_to_advantage if flags.get(f)), None)
+                if hit is not None:
+                    value = flag_to_advantage[hit]
+                    counts[hit] += 1
+            msg["advantage_override"] = torch.full((len(msg["token_ids"]),), value, dtype=torch.float32)  # [n]
+    return counts
+
+
+def aggregate_rollout_metrics(metric_dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Combine metrics of several rollout batches: `/min` or `min_` keys take the min, `/max` or `max_` the max,
+    `total_turns` is summed, everything else numeric (incl. `*_rate`) is averaged; non-numeric values pass through
+    (the last one seen).
+    """
+    values: dict[str, list[Any]] = {}
+    for d in metric_dicts:
+        for k, v in d.items():
+            values.setdefault(k, []).append(v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+    out: dict[str, Any] = {}
+    for k, vs in values.items():
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in vs):
+            out[k] = vs[-1]
+        elif k.endswith("/min") or k.startswith("min_"):
+            out[k] = min(vs)
+        elif k.endswith("/max") or k.startswith("max_"):
+            out[k] = max(vs)
+        elif k == "total_turns":
+            out[k] = sum(vs)
+        else:
+            out[k] = sum(vs) / len(vs)
+    return out

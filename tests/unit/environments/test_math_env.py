@@ -1,0 +1,165 @@
+"""MathEnvironment: math-verify scoring, counted failures, batch metrics, and the registry."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from relayrl.config import EnvConfig, MasterConfig, MathEnvConfig
+from relayrl.environments.math_env import MathEnvironment, extract_boxed, verify_answer
+from relayrl.environments.registry import build_environments, create_env, create_task_to_env, register_env
+
+
+def _log(*assistant: str) -> list[dict]:
+    return [{"role": "user", "content": "37+45="}, *({"role": "assistant", "content": a} for a in assistant)]
+
+
+def _step(env: MathEnvironment, responses: list[str], truths: list[str]):
+    return env.step([_log(r) for r in responses], [{"ground_truth": g} for g in truths])
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = MathEnvironment(MathEnvConfig())
+    yield env
+    env.shutdown()
+
+
+def test_scores_correct_wrong_malformed_and_unboxed(env: MathEnvironment) -> None:
+    out = _step(
+        env,
+        ["\\boxed{82}", "\\boxed{81}", "\\boxed{82", "82", "\\boxed{-33}", "\\boxed{33}", "\\boxed{\\frac{1}{2}}"],
+        ["82", "82", "82", "82", "-33", "-33", "0.5"],
+    )
+    assert out.rewards.dtype == torch.float32
+    assert out.rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    assert out.terminateds.tolist() == [True] * 7
+    assert out.next_stop_strings == [None] * 7
+    assert out.answers == ["82", "81", None, None, "-33", "33", "\\frac{1}{2}"]
+    assert [o["content"] for o in out.observations[:2]] == ["Environment: correct", "Environment: incorrect"]
+    assert all(o["role"] == "environment" for o in out.observations)
+    assert env.last_metrics == {"num_verify_errors": 0, "num_verify_timeouts": 0}
+
+
+def test_response_is_all_assistant_messages_concatenated(env: MathEnvironment) -> None:
+    meta = [{"ground_truth": "82", "extra": 1}]
+    out = env.step([_log("I think \\boxed{", "82}")], meta)
+    assert out.rewards.tolist() == [1.0]
+    assert out.metadata == meta  # unchanged
+
+
+def test_extract_boxed_takes_last_complete_box() -> None:
+    assert extract_boxed("\\boxed{1} then \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"
+    assert extract_boxed("\\boxed{5} and \\boxed{6") == "5"
+    assert extract_boxed("no box") is None
+
+
+def test_integer_fast_path_matches_math_verify(env: MathEnvironment) -> None:
+    pairs = [("82", "82"), ("82", "082"), ("-5", "5"), ("0", "-0"), ("-33", "-33"), ("100", "10"), ("7", " 7 ")]
+    fast, _, _ = env.score_batch([f"\\boxed{{{p}}}" for _, p in pairs], [g for g, _ in pairs])
+    assert fast == [verify_answer(g, p) for g, p in pairs] == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_verify_exception_scores_zero_and_is_counted(env: MathEnvironment) -> None:
+    env.global_post_process_and_metrics({"total_reward": torch.zeros(0), "message_log": []})  # reset counts
+    out = _step(env, ["\\boxed{x+1}", "\\boxed{7}"], ["1/0", "7"])  # sympy cannot compare against zoo
+    assert out.rewards.tolist() == [0.0, 1.0]
+    assert env.last_metrics == {"num_verify_errors": 1, "num_verify_timeouts": 0}
+    _, metrics = env.global_post_process_and_metrics(
+        {"total_reward": out.rewards, "message_log": [_log("a"), _log("b")]}
+    )
+    assert metrics["num_verify_errors"] == 1
+    _, metrics = env.global_post_process_and_metrics({"total_reward": out.rewards, "message_log": [_log("a")] * 2})
+    assert metrics["num_verify_errors"] == 0  # reported once, then reset
+
+
+@pytest.fixture(scope="module")
+def quick_env():
+    env = MathEnvironment(MathEnvConfig(timeout_s=0.5))
+    yield env
+    env.shutdown()
+
+
+def _timeout_case(env: MathEnvironment) -> tuple[list[float], float]:
+    env.step([_log("\\boxed{1/2}")], [{"ground_truth": "0.5"}])  # start the verifier process outside the clock
+    start = time.perf_counter()
+    # sympy would run for ever on the first; the third must still be verified afterwards (by a fresh process)
+    responses = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{4}", "\\boxed{\\frac{1}{4}}"]
+    out = _step(env, responses, ["42", "4", "0.25"])
+    return out.rewards.tolist(), time.perf_counter() - start
+
+
+def test_timeout_is_bounded_and_counted(quick_env: MathEnvironment) -> None:
+    rewards, elapsed = _timeout_case(quick_env)
+    assert rewards == [0.0, 1.0, 1.0]
+    assert quick_env.last_metrics == {"num_verify_errors": 0, "num_verify_timeouts": 1}
+    assert elapsed < 30.0  # 0.5 s time-out plus one verifier restart on a busy machine
+
+
+def test_timeout_from_a_worker_thread_is_bounded_and_counted(quick_env: MathEnvironment) -> None:
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(_timeout_case(quick_env)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert box, "step hung in a worker thread"
+    assert box[0][0] == [0.0, 1.0, 1.0]
+    assert quick_env.last_metrics["num_verify_timeouts"] == 1
+
+
+def test_128_answers_verify_in_milliseconds(env: MathEnvironment) -> None:
+    truths = [str(v) for v in range(-64, 64)]
+    responses = [f"\\boxed{{{v if v % 3 else v + 1}}}" for v in range(-64, 64)]
+    _step(env, responses[:2], truths[:2])  # warm the import
+    start = time.perf_counter()
+    out = _step(env, responses, truths)
+    assert time.perf_counter() - start < 0.25
+    assert out.rewards.sum().item() == sum(1 for v in range(-64, 64) if v % 3)
+
+
+def test_missing_ground_truth_is_an_error(env: MathEnvironment) -> None:
+    with pytest.raises(ValueError, match="row 1: metadata has no 'ground_truth'"):
+        env.step([_log("\\boxed{1}")] * 2, [{"ground_truth": "1"}, {}])
+
+
+def test_global_post_process_metrics(env: MathEnvironment) -> None:
+    def log(n_gen: int) -> list[dict]:
+        return [
+            {"role": "user", "content": "p", "token_ids": torch.zeros(3)},
+            {"role": "assistant", "content": "a", "token_ids": torch.zeros(n_gen)},
+            {"role": "environment", "content": "e", "token_ids": torch.zeros(5)},
+        ]
+
+    batch = {
+        "total_reward": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        "truncated": torch.tensor([False, False, True, False]),
+        "length": torch.tensor([3, 3, 5, 5]),
+        "idx": torch.tensor([0, 0, 1, 1]),
+        "message_log": [log(2), log(4), log(6), log(8)],
+    }
+    batch, m = env.global_post_process_and_metrics(batch)
+    assert batch["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0]  # truncated row's reward zeroed
+    assert m["accuracy"] == pytest.approx(0.25)
+    assert m["pass@samples_per_prompt"] == pytest.approx(0.5)
+    assert m["fraction_of_samples_properly_ended"] == pytest.approx(0.75)
+    assert m["num_problems_in_batch"] == 4
+    assert m["generation_lengths"] == pytest.approx(5.0)
+    assert m["prompt_lengths"] == pytest.approx(4.0)
+    assert m["correct_solution_generation_lengths"] == pytest.approx(2.0)
+
+
+def test_registry_builds_math_and_rejects_unknown() -> None:
+    env = create_env("math", EnvConfig(math=MathEnvConfig(timeout_s=2.0)))
+    assert isinstance(env, MathEnvironment) and env.cfg.timeout_s == 2.0
+    task_to_env = create_task_to_env(["math", "math"])
+    assert list(task_to_env) == ["math"]
+    with pytest.raises(ValueError, match="unknown environment 'code'; registered: math"):
+        create_env("code")
+    envs = build_environments(MasterConfig(), task_names=["math"])
+    assert list(envs) == ["math"] and isinstance(envs["math"], MathEnvironment)
+    with pytest.raises(ValueError, match="unknown environment 'other'"):
+        build_environments(MasterConfig(), task_names=["other"])
+    with pytest.raises(ValueError, match="already registered"):
+        register_env("math", lambda cfg: MathEnvironment(cfg.math))
