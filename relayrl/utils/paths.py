@@ -8,6 +8,16 @@ _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _BUILTIN_PREFIX = "builtin:"
 
 
+def resolve_tokenizer_path(name: str) -> Path:
+    """Like resolve_model_path, but a directory holding only tokenizer files (no config.json) is accepted."""
+    if name.startswith(_BUILTIN_PREFIX):
+        return resolve_model_path(name)
+    path = Path(name).expanduser()
+    if path.is_dir() and ((path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()):
+        return path
+    return resolve_model_path(name)
+
+
 def resolve_model_path(name: str) -> Path:
     """Map `builtin:<name>` to the copy shipped inside the package; anything else is a local directory.
 

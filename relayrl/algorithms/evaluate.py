@@ -1,0 +1,49 @@
+"""`relayrl evaluate`: validation metrics of a saved checkpoint, with the same validate() the trainer uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from relayrl.config import MasterConfig
+
+
+def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, Any]:
+    """Load `checkpoint` (a `step_N/` directory or a Hugging Face model directory) and run validation."""
+    from relayrl.algorithms.grpo import validate
+    from relayrl.algorithms.setup import load_tokenizer
+    from relayrl.environments.registry import build_environments
+    from relayrl.experience.data import build_dataloaders
+    from relayrl.models.generation.hf_generation import HfGeneration
+    from relayrl.models.policy.lm_policy import Policy
+
+    weights = checkpoint / "policy" / "weights"
+    model_dir = weights if weights.is_dir() else checkpoint
+    saved_tokenizer = checkpoint / "policy" / "tokenizer"
+    tokenizer_cfg = cfg.policy.tokenizer
+    if saved_tokenizer.is_dir():
+        tokenizer_cfg = tokenizer_cfg.model_copy(update={"name": str(saved_tokenizer)})
+    policy_cfg = cfg.policy.model_copy(update={"model_name": str(model_dir), "tokenizer": tokenizer_cfg})
+    cfg = cfg.model_copy(update={"policy": policy_cfg})
+    tokenizer = load_tokenizer(cfg)
+    _, val_dataloader = build_dataloaders(cfg, tokenizer)
+    if val_dataloader is None:
+        raise ValueError("no validation data configured (data.validation or a held-out split)")
+    policy = Policy(cfg.policy, tokenizer, cluster=cfg.cluster, init_reference_model=False, init_optimizer=False)
+    generation = HfGeneration(
+        cfg.policy.generation,
+        tokenizer,
+        policy.generation_source,
+        device=policy.device,
+        max_total_sequence_length=cfg.policy.max_total_sequence_length,
+        seed=cfg.grpo.seed,
+    )
+    envs = build_environments(cfg)
+    try:
+        generation.prepare_for_generation()
+        metrics = validate(generation, val_dataloader, tokenizer, envs, step=0, master_config=cfg, logger=None)
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+    metrics["checkpoint"] = str(checkpoint)
+    return metrics

@@ -1,0 +1,125 @@
+"""Step pieces shared by the legacy trainer (grpo.py) and the data-plane trainer (grpo_sync.py).
+
+Everything here is independent of *where* rollout tensors live, so both loops call the same code and differ only in
+data movement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl.algorithms.reward_functions import apply_reward_shaping, scale_rewards
+from relayrl.config import MasterConfig
+from relayrl.environments.interfaces import MessageLog
+from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
+from relayrl.utils.seeding import capture_rng_state
+
+
+def resolve_logprob_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
+    """(skip_prev_logprobs, skip_reference_logprobs) for this config.
+
+    Prev logprobs are only skippable when the ratio is forced to 1 and no logprob-error threshold needs them.
+    """
+    loss = cfg.loss_fn
+    skip_prev = loss.force_on_policy_ratio and cfg.grpo.seq_logprob_error_threshold is None
+    if loss.force_on_policy_ratio and cfg.grpo.seq_logprob_error_threshold is not None:
+        warnings.warn(
+            "force_on_policy_ratio with seq_logprob_error_threshold: prev logprobs are still computed",
+            stacklevel=2,
+        )
+    return skip_prev, not cfg.reference_model_needed
+
+
+def first_assistant_lengths(message_logs: list[MessageLog]) -> torch.Tensor:
+    """Token count of each row's first assistant message (the response length DAPO shaping penalises)."""
+    lengths = []
+    for i, log in enumerate(message_logs):
+        msg = next((m for m in log if m["role"] == "assistant"), None)
+        if msg is None:
+            raise ValueError(f"row {i} has no assistant message to measure for reward shaping")
+        lengths.append(len(msg["token_ids"]))
+    return torch.tensor(lengths, dtype=torch.long)  # [B]
+
+
+def post_process_rewards(
+    rewards: torch.Tensor, truncated: torch.Tensor, message_logs: list[MessageLog], cfg: MasterConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reward scaling, then shaping (§ order of the reference). Returns (rewards, unshaped copy or None)."""
+    rewards = scale_rewards(rewards, cfg.grpo.reward_scaling)
+    if not cfg.grpo.reward_shaping.enabled:
+        return rewards, None
+    lengths = first_assistant_lengths(message_logs)
+    return apply_reward_shaping(rewards, cfg.grpo.reward_shaping, lengths, truncated)
+
+
+def should_validate(total_steps_done: int, cfg: MasterConfig, is_last_step: bool) -> bool:
+    g = cfg.grpo
+    periodic = g.val_period > 0 and total_steps_done >= g.val_start_at and total_steps_done % g.val_period == 0
+    return periodic or (g.val_at_end and is_last_step)
+
+
+def early_stop_reached(val_metrics: dict[str, Any], cfg: MasterConfig) -> bool:
+    """True when the configured validation metric reached its threshold."""
+    name = cfg.grpo.stop_at_validation_metric
+    if name is None:
+        return False
+    if name not in val_metrics:
+        raise KeyError(f"grpo.stop_at_validation_metric {name!r} is not a validation metric ({sorted(val_metrics)})")
+    threshold = cfg.grpo.stop_at_validation_threshold
+    assert threshold is not None  # enforced by MasterConfig
+    return float(val_metrics[name]) >= threshold
+
+
+def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> dict[str, float]:
+    """Summary statistics the reference logs under train/advantages/* and train/baseline_reward/*."""
+    valid = advantages[mask.bool()]
+    out = {
+        "advantages/mean": valid.mean().item() if valid.numel() else 0.0,
+        "advantages/max": valid.max().item() if valid.numel() else 0.0,
+        "advantages/min": valid.min().item() if valid.numel() else 0.0,
+        "advantages/sum": advantages.sum().item(),
+    }
+    n = max(baseline.numel(), 1)
+    out["baseline_reward/pct_0"] = 100.0 * (baseline == 0).sum().item() / n
+    out["baseline_reward/pct_1"] = 100.0 * (baseline == 1).sum().item() / n
+    out["baseline_reward/pct_mixed"] = 100.0 - out["baseline_reward/pct_0"] - out["baseline_reward/pct_1"]
+    return out
+
+
+def save_state_dict(state: GRPOSaveState) -> dict[str, Any]:
+    return dataclasses.asdict(state) if dataclasses.is_dataclass(state) else dict(state)  # type: ignore[arg-type]
+
+
+def save_checkpoint(
+    *,
+    checkpointer: CheckpointManager,
+    policy: Any,
+    policy_generation: Any,
+    dataloader: Any,
+    state: GRPOSaveState,
+    cfg: MasterConfig,
+    metrics_for_ranking: dict[str, Any],
+) -> Path:
+    """Write step_N atomically: tmp dir, weights/optimizer/tokenizer, dataloader and RNG state, then rename."""
+    info = save_state_dict(state)
+    metric = cfg.checkpointing.metric_name
+    if metric is not None:
+        source, name = metric.split(":", 1)
+        src = metrics_for_ranking.get(source, {})
+        if name in src:
+            info[metric] = float(src[name])
+    tmp = checkpointer.init_tmp_checkpoint(info["total_steps"], info, cfg.model_dump(mode="json"))
+    policy.save_checkpoint(
+        weights_path=str(tmp / "policy" / "weights"),
+        optimizer_path=str(tmp / "policy" / "optimizer") if cfg.checkpointing.save_optimizer else None,
+        tokenizer_path=str(tmp / "policy" / "tokenizer"),
+    )
+    torch.save(dataloader.state_dict(), tmp / "train_dataloader.pt")
+    rng = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
+    torch.save(rng, tmp / "rng_state.pt")
+    return checkpointer.finalize_checkpoint(tmp)

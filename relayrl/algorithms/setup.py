@@ -1,0 +1,184 @@
+"""Build everything a run needs from a validated config, resuming from the latest complete checkpoint if any.
+
+Kept apart from the loops so the legacy and the data-plane trainers share one setup and differ only in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl.config import MasterConfig
+from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState, load_save_state
+from relayrl.utils.config_io import dump_config
+from relayrl.utils.logger import Logger
+from relayrl.utils.paths import resolve_tokenizer_path
+from relayrl.utils.seeding import enable_determinism, restore_rng_state, set_seed
+
+
+class SetupError(Exception):
+    """User input that made the run impossible to build (bad path, model directory, dataset); one line."""
+
+
+@dataclass
+class GRPOComponents:
+    policy: Any
+    policy_generation: Any
+    dataloader: Any
+    val_dataloader: Any
+    tokenizer: Any
+    loss_fn: Any
+    task_to_env: dict[str, Any]
+    val_task_to_env: dict[str, Any] | None
+    logger: Logger
+    checkpointer: CheckpointManager
+    save_state: GRPOSaveState
+    resumed_from: Path | None
+
+
+def load_tokenizer(cfg: MasterConfig) -> Any:
+    """Tokenizer of `policy.tokenizer.name` (default: the model's); pad falls back to eos, as users expect."""
+    from transformers import AutoTokenizer
+
+    path = resolve_tokenizer_path(cfg.policy.tokenizer.name or cfg.policy.model_name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    template = cfg.policy.tokenizer.chat_template
+    if template is not None:
+        tpath = Path(template).expanduser()
+        tokenizer.chat_template = tpath.read_text() if template.endswith(".jinja") and tpath.is_file() else template
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer at {path} has no chat template; set policy.tokenizer.chat_template")
+    return tokenizer
+
+
+def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
+    """Seed, build data, policy, generation, environments, logger and checkpointer; restore state on resume."""
+    from relayrl.algorithms.loss_functions import ClippedPGLossFn
+    from relayrl.environments.registry import build_environments
+    from relayrl.experience.data import build_dataloaders
+    from relayrl.models.generation.hf_generation import HfGeneration
+    from relayrl.models.policy.lm_policy import Policy
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.cluster.torch_num_threads is not None:
+        torch.set_num_threads(cfg.cluster.torch_num_threads)
+    if cfg.cluster.deterministic:
+        enable_determinism()
+    set_seed(cfg.grpo.seed)
+
+    tokenizer = load_tokenizer(cfg)
+    dataloader, val_dataloader = build_dataloaders(cfg, tokenizer)
+    checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
+    last = checkpointer.get_latest_checkpoint_path()
+    save_state = load_save_state(checkpointer.load_training_info(last) if last else None)
+
+    # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
+    # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
+    policy = Policy(
+        cfg.policy,
+        tokenizer,
+        cluster=cfg.cluster,
+        init_reference_model=cfg.reference_model_needed,
+        max_num_steps=cfg.grpo.max_num_steps,
+    )
+    if last is not None:
+        optimizer_dir = last / "policy" / "optimizer"
+        policy.load_checkpoint(
+            weights_path=str(last / "policy" / "weights"),
+            optimizer_path=str(optimizer_dir) if optimizer_dir.is_dir() else None,
+        )
+        dataloader.load_state_dict(torch.load(last / "train_dataloader.pt", weights_only=False))
+
+    policy_generation = HfGeneration(
+        cfg.policy.generation,
+        tokenizer,
+        policy.generation_source,
+        device=policy.device,
+        max_total_sequence_length=cfg.policy.max_total_sequence_length,
+        seed=cfg.grpo.seed,
+    )
+    task_to_env = build_environments(cfg)
+    loss_fn = ClippedPGLossFn(cfg.loss_fn)
+
+    total_steps = cfg.grpo.max_num_steps
+    logger = Logger(cfg.logger, run_dir, total_steps=total_steps, start_step=save_state.total_steps)
+    dump_config(cfg, run_dir / "config.yaml")
+    logger.log_hyperparams(cfg.model_dump(mode="json"))
+
+    if last is not None:
+        rng = torch.load(last / "rng_state.pt", weights_only=False)
+        restore_rng_state(rng["global"])
+        policy_generation.set_rng_state(rng["generation"])
+        logger.print_message(f"Resumed from {last} (step {save_state.total_steps})")
+    return GRPOComponents(
+        policy=policy,
+        policy_generation=policy_generation,
+        dataloader=dataloader,
+        val_dataloader=val_dataloader,
+        tokenizer=tokenizer,
+        loss_fn=loss_fn,
+        task_to_env=task_to_env,
+        val_task_to_env=task_to_env if val_dataloader is not None else None,
+        logger=logger,
+        checkpointer=checkpointer,
+        save_state=save_state,
+        resumed_from=last,
+    )
+
+
+def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
+    """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
+    from relayrl.algorithms.grpo import grpo_train
+
+    try:
+        c = setup(cfg, run_dir)
+    except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
+        raise SetupError(str(exc).strip("'\"")) from exc
+    try:
+        grpo_train(
+            c.policy,
+            c.policy_generation,
+            c.dataloader,
+            c.val_dataloader,
+            c.tokenizer,
+            c.loss_fn,
+            c.task_to_env,
+            c.val_task_to_env,
+            c.logger,
+            c.checkpointer,
+            c.save_state,
+            cfg,
+        )
+    finally:
+        c.logger.close()
+        c.policy_generation.shutdown()
+        c.policy.shutdown()
+        for env in c.task_to_env.values():
+            env.shutdown()
+    return summarize_run(run_dir)
+
+
+def summarize_run(run_dir: Path) -> dict[str, Any]:
+    """Validation accuracy at the first and last validation in metrics.jsonl (across resumes)."""
+    accs: list[tuple[int, float]] = []
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "validation/accuracy" in row:
+                accs.append((int(row["step"]), float(row["validation/accuracy"])))
+    if not accs:
+        return {"run_dir": str(run_dir)}
+    first, last = accs[0], accs[-1]
+    return {
+        "run_dir": str(run_dir),
+        "first_validation": {"step": first[0], "accuracy": first[1]},
+        "last_validation": {"step": last[0], "accuracy": last[1]},
+        "accuracy_gain_points": 100.0 * (last[1] - first[1]),
+    }

@@ -1,0 +1,120 @@
+"""`relayrl` command line: train, evaluate, plot.
+
+Bad input (config keys and values, missing paths, unusable datasets) ends with one line on stderr and exit code 2,
+never a traceback; heavy imports happen only after the arguments and the config are known to be good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from relayrl.utils.config_io import ConfigError, load_config
+
+USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
+EXIT_USAGE = 2
+
+
+def _fail(message: str) -> int:
+    print(f"relayrl: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relayrl", description="RL post-training of language models (GRPO).")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train (the embedded default: the shipped model on arithmetic with GRPO)")
+    t.add_argument("--config", help="YAML config (see configs/); defaults are the embedded default run")
+    t.add_argument("--run-dir", help="run directory; an existing one resumes (default: a new runs/NNN)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_prompts_per_step=8")
+
+    e = sub.add_parser("evaluate", help="validation accuracy of a checkpoint (step_N dir or HF model dir)")
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--config", help="config to evaluate with (default: the checkpoint's own config.yaml)")
+    e.add_argument("overrides", nargs="*")
+
+    pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "evaluate":
+        return _evaluate(args)
+    return _plot(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from relayrl.utils.paths import next_run_dir
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        resumed_config = run_dir / "config.yaml"
+        if resumed_config.is_file() and args.config is None and not args.overrides:
+            cfg = load_config(resumed_config)  # resuming: the run's own resolved config
+    else:
+        run_dir = next_run_dir("runs")
+    from relayrl.algorithms.setup import SetupError, run_training
+
+    try:
+        summary = run_training(cfg, run_dir)
+    except SetupError as exc:
+        return _fail(str(exc))
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    print(f"run directory: {summary['run_dir']}")
+    if "first_validation" in summary:
+        f, last = summary["first_validation"], summary["last_validation"]
+        print(
+            f"validation accuracy: step {f['step']}: {f['accuracy']:.3f} -> step {last['step']}: "
+            f"{last['accuracy']:.3f} ({summary['accuracy_gain_points']:+.1f} points)"
+        )
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    ckpt = Path(args.checkpoint)
+    if not ckpt.is_dir():
+        return _fail(f"checkpoint directory does not exist: {ckpt}")
+    try:
+        config_path = args.config or (ckpt / "config.yaml" if (ckpt / "config.yaml").is_file() else None)
+        cfg = load_config(config_path, args.overrides)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    from relayrl.algorithms.evaluate import evaluate_checkpoint
+
+    try:
+        metrics = evaluate_checkpoint(cfg, ckpt)
+    except USER_ERRORS as exc:
+        return _fail(str(exc).strip("'\""))
+    print(json.dumps(metrics))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from relayrl.utils.plot import plot_run
+
+    try:
+        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+    except (FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Load a run config: YAML file (optionally inheriting via `defaults:`), dotted CLI overrides, pydantic validation.
+
+Every failure becomes one `ConfigError` line naming the offending key, which the CLI prints with exit code 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from relayrl.config import MasterConfig
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem (bad key, bad value, unreadable file)."""
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> MasterConfig:
+    """Read `path` (or start from the schema defaults), apply `key.sub=value` overrides, validate."""
+    raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    return validate_config(raw)
+
+
+def validate_config(raw: dict[str, Any]) -> MasterConfig:
+    try:
+        return MasterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def dump_config(cfg: MasterConfig, path: Path) -> None:
+    """Write the fully resolved config (every default spelled out) so a run directory explains itself."""
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def _read_yaml(path: Path, _seen: set[Path] | None = None) -> dict[str, Any]:
+    seen = _seen or set()
+    path = path.expanduser().resolve()
+    if path in seen:
+        raise ConfigError(f"config inheritance cycle at {path}")
+    seen.add(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    parent = data.pop("defaults", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"'defaults' in {path} must be a path to another YAML file")
+    base = _read_yaml(path.parent / parent, seen)
+    return _deep_merge(base, data)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.subkey=value")
+    key, text = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _one_line(exc: ValidationError) -> str:
+    """First error of a pydantic ValidationError as `key: message (got value)`."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"unknown config key: {loc}"
+    got = err.get("input")
+    suffix = "" if isinstance(got, dict) or err["type"].startswith("value_error") else f" (got {got!r})"
+    more = len(exc.errors()) - 1
+    tail = f" [+{more} more]" if more > 0 else ""
+    return f"invalid config value for {loc}: {msg}{suffix}{tail}" if loc != "config" else f"invalid config: {msg}{tail}"
