@@ -7,7 +7,7 @@ with the dotted key named. This module imports neither torch nor ray, so validat
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
@@ -27,9 +27,9 @@ class Strict(BaseModel):
 
 # ---------------------------------------------------------------------------------------------------- policy
 class TokenizerConfig(Strict):
-    name: Optional[str] = None
+    name: str | None = None
     """Tokenizer directory; None means `policy.model_name`."""
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     """Override the tokenizer's chat template (a Jinja string or a path to a .jinja file)."""
 
 
@@ -44,10 +44,10 @@ class GenerationConfig(Strict):
     max_new_tokens: PositiveInt = 16
     temperature: PositiveFloat = 1.0
     top_p: UnitFloat = 1.0
-    top_k: Optional[PositiveInt] = None
-    stop_token_ids: Optional[list[int]] = None
+    top_k: PositiveInt | None = None
+    stop_token_ids: list[int] | None = None
     """None means [eos_token_id]."""
-    stop_strings: Optional[list[str]] = None
+    stop_strings: list[str] | None = None
     colocated: ColocatedConfig = ColocatedConfig()
 
 
@@ -68,7 +68,7 @@ class SchedulerConfig(Strict):
     """LR after warm-up: constant, or cosine decay to `min_lr_ratio * lr` over `decay_steps`."""
     warmup_steps: NonNegInt = 0
     warmup_start_factor: UnitFloat = 0.1
-    decay_steps: Optional[PositiveInt] = None
+    decay_steps: PositiveInt | None = None
     """Cosine horizon in scheduler steps (one per train() call); None means grpo.max_num_steps."""
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
 
@@ -82,13 +82,13 @@ class PolicyConfig(Strict):
     hf_config_overrides: dict[str, Any] = {}
     train_global_batch_size: PositiveInt = 128
     train_micro_batch_size: PositiveInt = 128
-    logprob_batch_size: Optional[PositiveInt] = None
+    logprob_batch_size: PositiveInt | None = None
     """Rows per logprob / reference / top-k micro-batch; None means train_micro_batch_size."""
-    logprob_chunk_size: Optional[PositiveInt] = None
+    logprob_chunk_size: PositiveInt | None = None
     """Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB."""
     max_total_sequence_length: PositiveInt = 64
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_grad_norm: Optional[PositiveFloat] = 1.0
+    max_grad_norm: PositiveFloat | None = 1.0
     activation_checkpointing: bool = False
     make_sequence_length_divisible_by: PositiveInt = 1
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -100,16 +100,16 @@ class PolicyConfig(Strict):
 class ClippedPGLossConfig(Strict):
     reference_policy_kl_penalty: NonNegFloat = 0.02
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    kl_input_clamp_value: Optional[PositiveFloat] = 20.0
-    kl_output_clamp_value: Optional[PositiveFloat] = 10.0
+    kl_input_clamp_value: PositiveFloat | None = 20.0
+    kl_output_clamp_value: PositiveFloat | None = 10.0
     ratio_clip_min: NonNegFloat = 0.2
     ratio_clip_max: NonNegFloat = 0.2
-    ratio_clip_c: Optional[Annotated[float, Field(gt=1)]] = None
+    ratio_clip_c: Annotated[float, Field(gt=1)] | None = None
     use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
-    truncated_importance_sampling_ratio: Optional[PositiveFloat] = None
-    truncated_importance_sampling_ratio_min: Optional[NonNegFloat] = None
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    truncated_importance_sampling_ratio: PositiveFloat | None = None
+    truncated_importance_sampling_ratio_min: NonNegFloat | None = None
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
     force_on_policy_ratio: bool = False
@@ -130,17 +130,17 @@ class RewardScalingConfig(Strict):
 
 class RewardShapingConfig(Strict):
     enabled: bool = False
-    overlong_buffer_length: Optional[PositiveInt] = None
-    overlong_buffer_penalty: Optional[NonNegFloat] = None
-    max_response_length: Optional[PositiveInt] = None
-    stop_properly_penalty_coef: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+    overlong_buffer_length: PositiveInt | None = None
+    overlong_buffer_penalty: NonNegFloat | None = None
+    max_response_length: PositiveInt | None = None
+    stop_properly_penalty_coef: Annotated[float, Field(ge=0, le=1)] | None = None
 
 
 class AdvEstimatorConfig(Strict):
     name: Literal["grpo", "reinforce_plus_plus"] = "grpo"
-    normalize_rewards: Optional[bool] = None
+    normalize_rewards: bool | None = None
     """None means grpo.normalize_rewards."""
-    use_leave_one_out_baseline: Optional[bool] = None
+    use_leave_one_out_baseline: bool | None = None
     """None means grpo.use_leave_one_out_baseline."""
     minus_baseline: bool = True
 
@@ -160,13 +160,13 @@ class GRPOConfig(Strict):
     val_greedy: bool = True
     """Validate with greedy decoding (deterministic accuracy); False samples like training."""
     overlong_filtering: bool = False
-    advantage_clip_low: Optional[float] = None
-    advantage_clip_high: Optional[float] = None
+    advantage_clip_low: float | None = None
+    advantage_clip_high: float | None = None
     max_val_samples: PositiveInt = 200
     val_batch_size: PositiveInt = 200
     val_num_generations_per_prompt: PositiveInt = 1
-    stop_at_validation_metric: Optional[str] = None
-    stop_at_validation_threshold: Optional[float] = None
+    stop_at_validation_metric: str | None = None
+    stop_at_validation_threshold: float | None = None
     seed: int = 42
     use_dynamic_sampling: bool = False
     dynamic_sampling_max_gen_batches: NonNegInt = 10
@@ -174,22 +174,24 @@ class GRPOConfig(Strict):
     reward_scaling: RewardScalingConfig = RewardScalingConfig()
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
-    seq_logprob_error_threshold: Optional[PositiveFloat] = None
+    seq_logprob_error_threshold: PositiveFloat | None = None
     skip_reference_policy_logprobs_calculation: bool = False
 
 
 class RewardPenaltiesConfig(Strict):
     """Message-level advantage penalties: an assistant message flagged by the environment gets this advantage."""
 
-    invalid_tool_call_advantage: Optional[float] = None
+    invalid_tool_call_advantage: float | None = None
     """Advantage for messages flagged `is_invalid_tool_call`."""
-    malformed_thinking_advantage: Optional[float] = None
+    malformed_thinking_advantage: float | None = None
     """Advantage for messages flagged `has_malformed_thinking`."""
     flag_advantages: dict[str, float] = {}
     """Any other flag name -> advantage."""
 
     def enabled_keys(self) -> list[str]:
-        keys = [k for k in ("invalid_tool_call_advantage", "malformed_thinking_advantage") if getattr(self, k) is not None]
+        keys = [
+            k for k in ("invalid_tool_call_advantage", "malformed_thinking_advantage") if getattr(self, k) is not None
+        ]
         keys += [f"flag_advantages.{k}" for k in self.flag_advantages]
         return keys
 
@@ -215,13 +217,13 @@ class ArithmeticConfig(Strict):
 
 class DatasetConfig(Strict):
     source: Literal["arithmetic", "file"] = "arithmetic"
-    path: Optional[str] = None
+    path: str | None = None
     """JSONL or Parquet file (format from the extension) when source == 'file'."""
     prompt_field: str = "prompt"
     """Field holding the user prompt text (ignored when `messages_field` is present in a row)."""
     messages_field: str = "messages"
     answer_field: str = "answer"
-    task_field: Optional[str] = "task"
+    task_field: str | None = "task"
     default_task: str = "math"
     split_validation_size: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Fraction carved off as validation when no validation dataset is given."""
@@ -229,13 +231,13 @@ class DatasetConfig(Strict):
 
 class DataConfig(Strict):
     train: DatasetConfig = DatasetConfig()
-    validation: Optional[DatasetConfig] = None
+    validation: DatasetConfig | None = None
     """None: the arithmetic task's held-out set, or a split of `train` (split_validation_size)."""
     arithmetic: ArithmeticConfig = ArithmeticConfig()
-    system_prompt: Optional[str] = None
-    prompt_template: Optional[str] = None
+    system_prompt: str | None = None
+    prompt_template: str | None = None
     """Python format string with `{problem}`; None uses the problem text as is."""
-    max_input_seq_length: Optional[PositiveInt] = None
+    max_input_seq_length: PositiveInt | None = None
     """Prompt token limit; None means policy.max_total_sequence_length - generation.max_new_tokens."""
     skip_overlong_prompts: bool = False
     """Skip (and count) prompts over the limit instead of failing."""
@@ -255,13 +257,13 @@ class EnvConfig(Strict):
 # ---------------------------------------------------------------------------------------------------- infrastructure
 class WandbConfig(Strict):
     project: str = "relayrl"
-    name: Optional[str] = None
+    name: str | None = None
 
 
 class MlflowConfig(Strict):
     experiment_name: str = "relayrl"
-    run_name: Optional[str] = None
-    tracking_uri: Optional[str] = None
+    run_name: str | None = None
+    tracking_uri: str | None = None
 
 
 class LoggerConfig(Strict):
@@ -278,13 +280,13 @@ class LoggerConfig(Strict):
 
 class CheckpointingConfig(Strict):
     enabled: bool = True
-    checkpoint_dir: Optional[str] = None
+    checkpoint_dir: str | None = None
     """None means `<run_dir>/checkpoints`."""
-    metric_name: Optional[str] = "val:accuracy"
+    metric_name: str | None = "val:accuracy"
     higher_is_better: bool = True
-    keep_top_k: Optional[PositiveInt] = 2
+    keep_top_k: PositiveInt | None = 2
     save_period: PositiveInt = 100
-    checkpoint_must_save_by: Optional[str] = None
+    checkpoint_must_save_by: str | None = None
     """Wall-clock budget DD:HH:MM:SS: save and stop before it runs out."""
     save_optimizer: bool = True
 
@@ -302,9 +304,9 @@ class ClusterConfig(Strict):
     cpus_per_worker: PositiveInt = 1
     gpus_per_worker: NonNegFloat = 0.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    torch_num_threads: Optional[PositiveInt] = None
+    torch_num_threads: PositiveInt | None = None
     """None leaves torch's default."""
-    ray_address: Optional[str] = None
+    ray_address: str | None = None
     deterministic: bool = False
     """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
 

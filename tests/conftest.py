@@ -28,7 +28,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> 
     from relayrl.models.tiny import build_tiny_qwen2, save_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    model = build_tiny_qwen2(vocab_size=len(char_tokenizer), hidden_size=64, num_layers=2, num_heads=4,
-                             num_kv_heads=2, intermediate_size=128, seed=0)
+    model = build_tiny_qwen2(
+        vocab_size=len(char_tokenizer),
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        seed=0,
+    )
     save_tiny_model(path, model, char_tokenizer)
     return path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NotRequired, Optional, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import torch
 
@@ -16,7 +16,7 @@ class GenerationDatumSpec(TypedDict):
 
     input_ids: torch.Tensor  # [B, S] int64
     input_lengths: torch.Tensor  # [B] int64, real tokens per row
-    stop_strings: NotRequired[list[Optional[list[str]]]]  # per-row extra stop strings
+    stop_strings: NotRequired[list[list[str] | None]]  # per-row extra stop strings
 
 
 class GenerationOutputSpec(TypedDict):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Optional, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -25,7 +25,7 @@ class ValueInterface(ABC):
 
     @abstractmethod
     def get_values(
-        self, data: BatchedDataDict[GenerationDatumSpec], timer: Optional[Timer] = None
+        self, data: BatchedDataDict[GenerationDatumSpec], timer: Timer | None = None
     ) -> BatchedDataDict[ValueOutputSpec]:
         """Get value predictions for observations."""
 
@@ -36,9 +36,9 @@ class ValueInterface(ABC):
         loss_fn: LossFunction,
         eval_mode: bool = False,
         *,
-        gbs: Optional[int] = None,
-        mbs: Optional[int] = None,
-        timer: Optional[Timer] = None,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Timer | None = None,
     ) -> dict[str, Any]:
         """Train the value function on a global batch of data; returns loss, grad_norm and value metrics."""
 
