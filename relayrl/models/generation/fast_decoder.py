@@ -1,0 +1,262 @@
+"""KV-cache decoders behind HfGeneration: a lean Llama-family forward pass, and a generic HF-forward fallback.
+
+Both take left-padded prompts and expose the same three calls: `start` (prefill, returns the next-token logits of
+every row), `step` (feed one token per live row, write its K/V at one cache column, return logits) and `select`
+(keep / reorder / repeat rows of the batch and their caches).
+
+`FastDecoder` reads the weight tensors of a llama / mistral / qwen2 / qwen3 module in place (so a colocated engine
+always samples from the live policy weights) and computes exactly what the HF modules compute, minus the per-call
+Python machinery: no module hooks, no mask builders, no cache objects, a grouped-query view instead of repeating K/V
+during decode. Models it cannot reproduce exactly (other architectures, sliding windows, length-dependent RoPE,
+adapters, sharded parameters) are reported by `fast_path_unsupported` and go through `HfDecoder`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# RoPE variants whose cos/sin depend on the position only (not on the running sequence length).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+#: Prompt tokens per prefill chunk (rows are chunked so this many positions go through the model at once).
+PREFILL_TOKENS_PER_CHUNK = 8192
+
+
+def fast_path_unsupported(model: nn.Module) -> str | None:
+    """None when FastDecoder reproduces `model` exactly, else the reason it cannot."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAST_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {sorted(FAST_MODEL_TYPES)}"
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected module layout (needs model.embed_tokens/layers/norm/rotary_emb)"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (only silu)"
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} depends on sequence length"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "sliding_window", None) is not None and (
+        model_type == "mistral" or "sliding_attention" in layer_types
+    ):
+        return "sliding-window attention"
+    linears = [model.lm_head]
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if any(type(m) is not nn.Linear for m in linears):
+        return "projections are not plain nn.Linear (adapters or quantisation)"
+    if any(type(p.data) is not torch.Tensor for p in model.parameters()):
+        return "parameters are not plain tensors (sharded or quantised)"
+    return None
+
+
+class _Layer(NamedTuple):
+    in_norm: torch.Tensor
+    in_eps: float
+    q: tuple[torch.Tensor, torch.Tensor | None]
+    k: tuple[torch.Tensor, torch.Tensor | None]
+    v: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    q_norm: torch.Tensor | None  # qwen3: RMSNorm over each head's dims before RoPE
+    k_norm: Any  # set exactly when q_norm is
+    qk_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _wb(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return linear.weight, linear.bias
+
+
+def _read_layer(layer: Any) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return _Layer(
+        in_norm=layer.input_layernorm.weight,
+        in_eps=layer.input_layernorm.variance_epsilon,
+        q=_wb(attn.q_proj),
+        k=_wb(attn.k_proj),
+        v=_wb(attn.v_proj),
+        o=_wb(attn.o_proj),
+        q_norm=None if q_norm is None else q_norm.weight,
+        k_norm=None if k_norm is None else k_norm.weight,
+        qk_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
+        post_norm=layer.post_attention_layernorm.weight,
+        post_eps=layer.post_attention_layernorm.variance_epsilon,
+        gate=_wb(mlp.gate_proj),
+        up=_wb(mlp.up_proj),
+        down=_wb(mlp.down_proj),
+    )
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `signed_sin` (one roll, no cat)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class FastDecoder:
+    """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows."""
+
+    def __init__(self, model: Any) -> None:
+        base = model.model  # HF modules are dynamic: attributes are read by name, as the HF forward does
+        attn0 = base.layers[0].self_attn
+        self.embed = base.embed_tokens.weight  # [V, H]
+        self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
+        self.head = _wb(model.lm_head)
+        self.rotary = base.rotary_emb
+        self.head_dim = attn0.head_dim
+        self.n_heads = attn0.q_proj.out_features // self.head_dim
+        self.n_kv = attn0.k_proj.out_features // self.head_dim
+        self.group = self.n_heads // self.n_kv
+        self.scaling = float(attn0.scaling)
+        self.layers = [_read_layer(layer) for layer in base.layers]
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.key_bias: torch.Tensor | None = None  # [b, 1, 1, T] additive: -inf at left-pad columns
+
+    def start(self, ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Prefill left-padded prompts ids [B, P]; caches hold `capacity` columns. Returns last-token logits [B, V]."""
+        batch, cols = ids.shape
+        dtype, device = self.embed.dtype, self.embed.device
+        cos, sin = self.rotary(self.embed[:1], torch.arange(capacity, device=device).unsqueeze(0))  # [1, T, D]
+        half = self.head_dim // 2
+        self.cos = cos[0]  # [T, D]
+        self.signed_sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [T, D]
+        shape = (batch, self.n_kv, capacity, self.head_dim)
+        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.key_bias = None
+        if not bool(key_valid.all()):
+            self.key_bias = torch.zeros((batch, 1, 1, capacity), dtype=dtype, device=device)
+            self.key_bias[:, 0, 0, :cols].masked_fill_(~key_valid, float("-inf"))
+        # Rows in chunks, so activations ([rows, P, intermediate]) and masks stay bounded for long prompts.
+        rows = max(1, PREFILL_TOKENS_PER_CHUNK // cols)
+        logits = [
+            self._prefill(ids[a : a + rows], key_valid[a : a + rows], positions[a : a + rows], a)
+            for a in range(0, batch, rows)
+        ]
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    def _prefill(self, ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, row0: int) -> torch.Tensor:
+        """Prefill cache rows [row0, row0 + len(ids)); returns their last-token logits [rows, V]."""
+        batch, cols = ids.shape
+        bias = None
+        if self.key_bias is not None:
+            allowed = torch.ones((cols, cols), dtype=torch.bool, device=ids.device).tril() & key_valid.unsqueeze(1)
+            allowed |= torch.eye(cols, dtype=torch.bool, device=ids.device)  # pad queries see themselves: no NaN rows
+            bias = torch.zeros((batch, 1, cols, cols), dtype=self.embed.dtype, device=ids.device)
+            bias.masked_fill_(~allowed.unsqueeze(1), float("-inf"))  # [rows, 1, P, P]
+        cos = self.cos[positions].unsqueeze(1)  # [rows, 1, P, D]
+        sin = self.signed_sin[positions].unsqueeze(1)
+        h = F.embedding(ids, self.embed)  # [rows, P, H]
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            x = _rms(h, layer.in_norm, layer.in_eps)
+            q = F.linear(x, *layer.q).view(batch, cols, self.n_heads, self.head_dim)
+            k = F.linear(x, *layer.k).view(batch, cols, self.n_kv, self.head_dim)
+            v = F.linear(x, *layer.v).view(batch, cols, self.n_kv, self.head_dim).transpose(1, 2)  # [rows, Hkv, P, D]
+            if layer.q_norm is not None:
+                q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
+            q = _rope(q.transpose(1, 2), cos, sin)  # [rows, Hq, P, D]
+            k = _rope(k.transpose(1, 2), cos, sin)  # [rows, Hkv, P, D]
+            k_cache[row0 : row0 + batch, :, :cols] = k
+            v_cache[row0 : row0 + batch, :, :cols] = v
+            if self.group > 1:
+                k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=self.scaling)
+            h = h + F.linear(a.transpose(1, 2).reshape(batch, cols, -1), *layer.o)
+            x = _rms(h, layer.post_norm, layer.post_eps)
+            h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
+        return F.linear(_rms(h[:, -1], self.final_norm, self.final_eps), *self.head)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
+        """Feed tokens [b] at position ids [b], cached at column `col`; returns next-token logits [b, V]."""
+        b = tokens.shape[0]
+        end = col + 1
+        cos = self.cos[positions].view(b, 1, 1, self.head_dim)
+        sin = self.signed_sin[positions].view(b, 1, 1, self.head_dim)
+        bias = None if self.key_bias is None else self.key_bias[..., :end]  # [b, 1, 1, end]
+        h = F.embedding(tokens, self.embed)  # [b, H]
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            x = _rms(h, layer.in_norm, layer.in_eps)
+            # Grouped-query view: the G query heads sharing a KV head become G query rows of that head.
+            q = F.linear(x, *layer.q).view(b, self.n_kv, self.group, self.head_dim)
+            k = F.linear(x, *layer.k).view(b, self.n_kv, 1, self.head_dim)
+            v = F.linear(x, *layer.v).view(b, self.n_kv, 1, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
+            k_cache[:, :, col:end] = _rope(k, cos, sin)
+            v_cache[:, :, col:end] = v
+            a = F.scaled_dot_product_attention(
+                _rope(q, cos, sin), k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=bias, scale=self.scaling
+            )  # [b, Hkv, G, D]
+            h = h + F.linear(a.reshape(b, -1), *layer.o)
+            x = _rms(h, layer.post_norm, layer.post_eps)
+            h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
+        return F.linear(_rms(h, self.final_norm, self.final_eps), *self.head)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (in that order; repeats allowed) of every cache."""
+        self.k_cache = [c.index_select(0, index) for c in self.k_cache]
+        self.v_cache = [c.index_select(0, index) for c in self.v_cache]
+        if self.key_bias is not None:
+            self.key_bias = self.key_bias.index_select(0, index)
+
+
+class HfDecoder:
+    """Any HF causal LM through its own forward and a DynamicCache (correct everywhere, slower per step)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache: Any = None
+        self.mask = torch.empty(0, dtype=torch.long)  # [b, T] 1 = real token, set by start()
+
+    def start(self, ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Prefill left-padded prompts ids [B, P] through the model's forward; returns last-token logits [B, V]."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        cols = ids.shape[1]
+        self.mask = torch.ones((ids.shape[0], capacity), dtype=torch.long, device=ids.device)
+        self.mask[:, :cols] = key_valid.long()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask[:, :cols],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
+        """Feed tokens [b] at position ids [b] (cache column `col`); returns next-token logits [b, V]."""
+        out = self.model(
+            input_ids=tokens.unsqueeze(1),
+            attention_mask=self.mask[:, : col + 1],
+            position_ids=positions.unsqueeze(1),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (in that order; repeats allowed) of the cache and the attention mask."""
+        self.cache.reorder_cache(index)
+        self.mask = self.mask.index_select(0, index)

@@ -1,0 +1,400 @@
+"""Hugging Face generation backend: batched KV-cache sampling for any causal LM, fast on CPU.
+
+`model.generate` spends most of a small model's decode step in Python: logits processors, stopping criteria, cache
+objects and mask construction. This engine runs its own decode loop instead: inference mode, a preallocated KV
+cache, sampling by inverse CDF, one host sync per step, and finished rows dropped from the batch once enough of them
+are done. Llama-family models (llama, mistral, qwen2, qwen3) go through `FastDecoder`, a forward pass written against
+the model's own weight tensors (read in place, no copy); anything else runs through the model's HF forward with a
+`DynamicCache`. Ragged right-padded prompts are left-padded internally (position ids count real tokens only) and
+the results are mapped back to the right-padded layout of `GenerationOutputSpec`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from relayrl.config import GenerationConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.generation.fast_decoder import FastDecoder, HfDecoder, fast_path_unsupported
+from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
+from relayrl.models.generation.sampling import TokenSampler
+
+#: Drop finished rows from the live batch (KV cache included) once at most this fraction of it is still running.
+COMPACT_WHEN_ALIVE_FRACTION = 0.75
+
+
+class ModelSource(Protocol):
+    """What the engine reads weights from: the policy's live module and its optimizer-step counter."""
+
+    model: nn.Module
+    weights_version: int
+
+
+class HfGeneration(GenerationInterface):
+    """Generation engine over a Hugging Face causal LM (colocated: the policy's own module; else a private copy)."""
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        tokenizer: Any,
+        model_source: ModelSource,
+        *,
+        device: str | torch.device = "cpu",
+        max_total_sequence_length: int | None = None,
+        seed: int = 0,
+        fast_path: bool | None = None,
+    ) -> None:
+        if not isinstance(config, GenerationConfig):
+            raise TypeError(f"config must be a relayrl GenerationConfig, got {type(config).__name__}")
+        if not hasattr(model_source, "model") or not hasattr(model_source, "weights_version"):
+            raise TypeError("model_source must have `.model` (an HF causal LM) and `.weights_version` (int)")
+        if max_total_sequence_length is not None and max_total_sequence_length < 2:
+            raise ValueError(f"max_total_sequence_length must be >= 2, got {max_total_sequence_length}")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise ValueError("tokenizer has neither pad_token_id nor eos_token_id; cannot pad outputs")
+        eos_id = tokenizer.eos_token_id
+        stop_ids = (
+            config.stop_token_ids if config.stop_token_ids is not None else [eos_id] if eos_id is not None else []
+        )
+        for s in config.stop_strings or []:
+            if not s:
+                raise ValueError("generation.stop_strings may not contain an empty string")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_total_sequence_length = max_total_sequence_length
+        self.pad_token_id = int(pad_id)
+        self.stop_token_ids = [int(t) for t in stop_ids]
+        self._source = model_source
+        self._colocated = config.colocated.enabled
+        self._fast_path = fast_path
+        self._own_model: nn.Module | None = None
+        if self._colocated:
+            self._device = _module_device(model_source.model)
+        else:
+            self._device = torch.device(device)
+            self._own_model = _private_copy(model_source.model, self._device)
+        self._synced_version = int(model_source.weights_version)
+        self._generator = torch.Generator(device=self._device).manual_seed(seed)
+        self._restore_training: bool | None = None
+        self._closed = False
+        _ = self.uses_fast_path  # fail early when fast_path=True cannot be honoured
+
+    # ------------------------------------------------------------------ state
+    @property
+    def model(self) -> nn.Module:
+        """The module generation runs on: the policy's own (colocated) or the engine's copy."""
+        if self._closed:
+            raise RuntimeError("generation engine is shut down")
+        return self._source.model if self._colocated else self._own_model  # type: ignore[return-value]
+
+    @property
+    def synced_weights_version(self) -> int:
+        """The policy weights_version the engine last synced to; generate() refuses to run on any other."""
+        return self._synced_version
+
+    @property
+    def uses_fast_path(self) -> bool:
+        """Whether generation runs through FastDecoder (else the model's HF forward)."""
+        reason = fast_path_unsupported(self.model)
+        if self._fast_path and reason is not None:
+            raise ValueError(f"fast_path=True but this model cannot use it: {reason}")
+        return self._fast_path is not False and reason is None
+
+    def get_rng_state(self) -> torch.Tensor:
+        """Sampling generator state (save it with a checkpoint for an exact resume)."""
+        return self._generator.get_state().clone()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore a state from get_rng_state()."""
+        self._generator.set_state(state.clone())
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Sync to the policy's current weights (copy them when not colocated) and switch the model to eval mode."""
+        model = self.model
+        version = int(self._source.weights_version)
+        if not self._colocated and version != self._synced_version:
+            with torch.no_grad():
+                model.load_state_dict(self._source.model.state_dict())
+        self._synced_version = version
+        if self._restore_training is None:
+            self._restore_training = model.training
+            model.eval()
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Restore the train/eval mode found at prepare time and release cached device memory."""
+        if self._restore_training is not None and not self._closed:
+            self.model.train(self._restore_training)
+        self._restore_training = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def shutdown(self) -> bool:
+        if not self._closed:
+            self.finish_generation()
+            self._own_model = None
+            self._closed = True
+        return True
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False, *, seed: int | None = None
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Sample a continuation for every row; `seed` reseeds the engine's generator first."""
+        model = self.model
+        version = int(self._source.weights_version)
+        if version != self._synced_version:
+            raise RuntimeError(
+                f"stale weights: engine synced to weights_version {self._synced_version} but the policy is at "
+                f"{version}; call prepare_for_generation() first"
+            )
+        device = _module_device(model)
+        if device.type != self._generator.device.type:
+            raise RuntimeError(
+                f"the model is on {device} but the engine was built for {self._generator.device}; "
+                "build the engine where the policy generates"
+            )
+        input_ids, lengths, row_stops = self._validate(data)
+        batch, width = input_ids.shape
+        limits = torch.full((batch,), self.config.max_new_tokens, dtype=torch.long)  # [B]
+        if self.max_total_sequence_length is not None:
+            limits = torch.minimum(limits, self.max_total_sequence_length - lengths)
+            if batch and int(limits.min()) < 1:
+                row = int(limits.argmin())
+                raise ValueError(
+                    f"row {row}: prompt of {int(lengths[row])} tokens leaves no room for generation under "
+                    f"max_total_sequence_length={self.max_total_sequence_length}"
+                )
+        max_new = int(limits.max()) if batch else self.config.max_new_tokens
+        if batch == 0:
+            return _assemble(input_ids, lengths, *_empty_generation(max_new), self.pad_token_id)
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        sampler = TokenSampler(
+            temperature=self.config.temperature,
+            top_k=self.config.top_k,
+            top_p=self.config.top_p,
+            greedy=greedy,
+            generator=None if greedy else self._generator,
+        )
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                result = self._decode(
+                    model,
+                    input_ids.to(device),
+                    lengths.to(device),
+                    limits.to(device),
+                    sampler,
+                    row_stops,
+                )
+        finally:
+            model.train(was_training)
+        tokens, logprobs, gen_len, stopped = (t.cpu() for t in result)
+        return _assemble(input_ids, lengths, tokens, logprobs, gen_len, stopped, self.pad_token_id)
+
+    def _validate(
+        self, data: BatchedDataDict[GenerationDatumSpec]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
+        """Check the request and return (input_ids [B, S] CPU, input_lengths [B] CPU, stop strings per row)."""
+        for key in ("input_ids", "input_lengths"):
+            if key not in data:
+                raise ValueError(f"generate() input is missing {key!r}")
+        input_ids, lengths = data["input_ids"], data["input_lengths"]
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(
+                f"input_ids must be an integer tensor [B, S], got {getattr(input_ids, 'shape', input_ids)}"
+            )
+        lengths = torch.as_tensor(lengths).cpu()
+        batch, width = input_ids.shape
+        if lengths.shape != (batch,) or lengths.is_floating_point():
+            raise ValueError(f"input_lengths must be an integer tensor [{batch}], got shape {tuple(lengths.shape)}")
+        bad = ((lengths < 1) | (lengths > width)).nonzero()
+        if bad.numel():
+            row = int(bad[0])
+            raise ValueError(f"input_lengths[{row}]={int(lengths[row])} is outside [1, {width}] (input_ids width)")
+        per_row = data.get("stop_strings")
+        if per_row is not None and len(per_row) != batch:
+            raise ValueError(f"stop_strings has {len(per_row)} entries for {batch} rows")
+        common = list(self.config.stop_strings or [])
+        row_stops = []
+        for i in range(batch):
+            extra = per_row[i] if per_row is not None and per_row[i] is not None else []
+            if not isinstance(extra, (list, tuple)) or any(not isinstance(s, str) or not s for s in extra):
+                raise ValueError(f"stop_strings[{i}] must be None or a list of non-empty strings, got {extra!r}")
+            row_stops.append(list(dict.fromkeys(common + list(extra))))
+        return input_ids.cpu().long(), lengths.long(), row_stops
+
+    def _decode(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        limits: torch.Tensor,
+        sampler: TokenSampler,
+        row_stops: list[list[str]],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode loop. Returns (tokens [B, N], logprobs [B, N], generation lengths [B], stopped [B])."""
+        batch = input_ids.shape[0]
+        device = input_ids.device
+        n_max = int(limits.max())
+        left_ids, key_valid, positions = _left_pad(input_ids, lengths, self.pad_token_id)  # [B, P] each
+        prompt_cols = left_ids.shape[1]
+        decoder = FastDecoder(model) if self.uses_fast_path else HfDecoder(model)
+        # GRPO repeats each prompt: prefill each distinct prompt once and fan its cache out to the repeats.
+        unique, inverse = torch.unique(torch.cat([left_ids, key_valid.long()], 1), dim=0, return_inverse=True)
+        if unique.shape[0] < batch:
+            first = torch.full((unique.shape[0],), batch, dtype=torch.long, device=device)
+            first.scatter_reduce_(0, inverse, torch.arange(batch, device=device), reduce="amin")
+            logits = decoder.start(left_ids[first], key_valid[first], positions[first], prompt_cols + n_max)
+            logits = logits.index_select(0, inverse)  # [B, V]
+            decoder.select(inverse)
+        else:
+            logits = decoder.start(left_ids, key_valid, positions, prompt_cols + n_max)  # [B, V]
+
+        tokens = torch.full((n_max, batch), self.pad_token_id, dtype=torch.long, device=device)  # [N, B]
+        logprobs = torch.zeros((n_max, batch), dtype=torch.float32, device=device)  # [N, B]
+        gen_len = torch.zeros(batch, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
+        matcher = _StopStringMatcher(self.tokenizer, row_stops) if any(row_stops) else None
+        rows = torch.arange(batch, device=device)  # original row of each live slot
+        alive = torch.ones(batch, dtype=torch.bool, device=device)
+        live_limits, pos = limits.clone(), lengths.clone()  # per slot: token budget, next position id
+        n_alive, all_rows = batch, True
+        first_limit = int(live_limits.min())  # no row can reach its token budget before this step
+        for step in range(n_max):
+            tok, lp = sampler(logits)  # [b], [b]
+            if all_rows:
+                tokens[step], logprobs[step] = tok, lp
+            else:
+                tokens[step].index_copy_(0, rows, tok)
+                logprobs[step].index_copy_(0, rows, lp)
+            hit = torch.isin(tok, stop_ids) if len(self.stop_token_ids) else torch.zeros_like(alive)  # [b]
+            if matcher is not None:
+                hit |= matcher.check(rows, tok, alive)
+            ended = hit | (live_limits <= step + 1) if step + 1 >= first_limit else hit  # [b]
+            if n_alive < alive.shape[0]:
+                ended &= alive  # ended rows decode on until the next compaction, but end only once
+            n_ended = int(ended.sum())  # the one host sync per step
+            if n_ended:
+                ended_rows = rows[ended]
+                gen_len[ended_rows] = step + 1
+                stopped[ended_rows] = hit[ended]
+                n_alive -= n_ended
+                if n_alive == 0:
+                    break
+                alive &= ~ended
+                if n_alive <= COMPACT_WHEN_ALIVE_FRACTION * alive.shape[0]:
+                    keep = alive.nonzero().squeeze(1)
+                    rows, tok, pos, alive = rows[keep], tok[keep], pos[keep], alive[keep]
+                    live_limits = live_limits[keep]
+                    decoder.select(keep)
+                    all_rows = False
+            logits = decoder.step(tok, pos, prompt_cols + step)  # [b, V]
+            pos += 1
+        return tokens.T, logprobs.T, gen_len, stopped
+
+
+class _StopStringMatcher:
+    """Ends a row once its decoded generated text contains one of its stop strings (checked on the host).
+
+    Only the tail of each row is decoded: a stop string completed by the newest token spans at most its UTF-8
+    byte length in tokens (every token is at least one byte), so a few tokens more than that suffice, and the
+    check costs the same at token 10 as at token 10,000.
+    """
+
+    def __init__(self, tokenizer: Any, row_stops: list[list[str]]) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python post-processing
+        if backend is not None:
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
+        else:
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        self.row_stops = row_stops
+        self.generated: dict[int, list[int]] = {i: [] for i, stops in enumerate(row_stops) if stops}
+        self.window = {i: 4 + max(len(s.encode("utf-8")) for s in row_stops[i]) for i in self.generated}
+
+    def check(self, rows: torch.Tensor, tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Append this step's tokens and return, per live slot, whether a stop string just completed."""
+        hits = []
+        for row, tok, live in zip(rows.tolist(), tokens.tolist(), alive.tolist()):
+            ids = self.generated.get(row)
+            if ids is None or not live:
+                hits.append(False)
+                continue
+            ids.append(tok)
+            text = self.decode(ids[-self.window[row] :])
+            hits.append(any(s in text for s in self.row_stops[row]))
+        return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
+
+
+def _left_pad(
+    input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded [B, S] -> left-padded (ids [B, P], key_valid [B, P], position ids [B, P]) with P = max length."""
+    cols = int(lengths.max())
+    shift = (cols - lengths).unsqueeze(1)  # [B, 1]
+    src = torch.arange(cols, device=input_ids.device).unsqueeze(0) - shift  # [B, P]
+    key_valid = src >= 0
+    left_ids = input_ids.gather(1, src.clamp(min=0)).masked_fill_(~key_valid, pad_id)
+    return left_ids, key_valid, src.clamp(min=0)
+
+
+def _empty_generation(max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.zeros((0, max_new), dtype=torch.long),
+        torch.zeros((0, max_new)),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.bool),
+    )
+
+
+def _assemble(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    gen_len: torch.Tensor,
+    stopped: torch.Tensor,
+    pad_id: int,
+) -> BatchedDataDict[GenerationOutputSpec]:
+    """Right-padded outputs: prompt, the generated tokens right after it, then pad (logprobs 0 off generation)."""
+    batch, width = input_ids.shape
+    max_new = tokens.shape[1]
+    steps = torch.arange(max_new)
+    generated = steps.unsqueeze(0) < gen_len.unsqueeze(1)  # [B, N]
+    in_prompt = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, S]
+    cols = lengths.unsqueeze(1) + steps.unsqueeze(0)  # [B, N] output column of each generated token
+    output_ids = torch.full((batch, width + max_new), pad_id, dtype=torch.long)
+    output_ids[:, :width] = torch.where(in_prompt, input_ids, pad_id)
+    output_ids.scatter_(1, cols, torch.where(generated, tokens, pad_id))
+    output_logprobs = torch.zeros((batch, width + max_new), dtype=torch.float32)
+    output_logprobs.scatter_(1, cols, torch.where(generated, logprobs.float(), 0.0))
+    return BatchedDataDict(
+        output_ids=output_ids,
+        logprobs=output_logprobs,
+        generation_lengths=gen_len.clone(),
+        unpadded_sequence_lengths=lengths + gen_len,
+        truncated=~stopped,
+    )
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _private_copy(model: nn.Module, device: torch.device) -> nn.Module:
+    """A real copy of the policy module for a non-colocated engine (no grads, eval mode)."""
+    clone = copy.deepcopy(model).to(device)
+    for param in clone.parameters():
+        param.grad = None
+    return clone.requires_grad_(False).eval()
