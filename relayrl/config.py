@@ -250,8 +250,23 @@ class MathEnvConfig(Strict):
     timeout_s: PositiveFloat = 5.0
 
 
+class RewardModelEnvConfig(Strict):
+    """`env.reward_model`: where the classifier lives and how its scores become rewards."""
+
+    model_dir: str
+    """A local HF sequence-classification directory (num_labels=1) holding its tokenizer."""
+    normalize: bool = False
+    """Standardise each step's scores over the batch (mean 0, std 1) before returning them as rewards."""
+    device: str = "cpu"
+    micro_batch_size: PositiveInt = 32
+    render: Literal["chat_template", "concatenation"] = "chat_template"
+    """How a conversation becomes text: the chat template over role/content, or the contents joined as they are."""
+
+
 class EnvConfig(Strict):
     math: MathEnvConfig = MathEnvConfig()
+    reward_model: RewardModelEnvConfig | None = None
+    """Set to enable the `reward_model` task (a learned reward instead of a verifier)."""
 
 
 # ---------------------------------------------------------------------------------------------------- infrastructure
@@ -316,10 +331,89 @@ class DataPlaneConfig(Strict):
     backend: Literal["memory", "ray", "transfer_queue"] = "memory"
     storage_capacity: PositiveInt = 1_000_000
     """Maximum samples held across partitions; exceeding it is an error, never silent growth."""
+    call_timeout_s: PositiveFloat = 120.0
+    """Deadline for every call to a remote store (ray, transfer_queue): a dead store fails, never hangs."""
+    init_timeout_s: PositiveFloat = 300.0
+    """Deadline for starting or attaching to a remote store."""
+    num_storage_units: PositiveInt = 2
+    """transfer_queue only: storage unit actors started at bootstrap."""
+
+
+# ---------------------------------------------------------------------------------------------------- ppo
+class ValueConfig(Strict):
+    """The critic: the policy keys that make sense for a value model (no generation, no reference)."""
+
+    model_name: str = BUILTIN_TINY_MODEL
+    """A local HF causal-LM directory, a sequence-classification (reward model) directory, or a saved critic."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    random_init: bool = False
+    hf_config_overrides: dict[str, Any] = {}
+    train_global_batch_size: PositiveInt = 128
+    train_micro_batch_size: PositiveInt = 128
+    logprob_batch_size: PositiveInt | None = None
+    """Rows per get_values micro-batch; None means train_micro_batch_size."""
+    max_total_sequence_length: PositiveInt = 64
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_grad_norm: PositiveFloat | None = 1.0
+    activation_checkpointing: bool = False
+    optimizer: OptimizerConfig = OptimizerConfig(kwargs=AdamWKwargs(lr=1e-4))
+    scheduler: SchedulerConfig = SchedulerConfig()
+    head_init_std: PositiveFloat | None = None
+    """Std of a fresh head's weights; None means the backbone config's initializer_range (as transformers does)."""
+
+
+class MseValueLossConfig(Strict):
+    scale: PositiveFloat = 1.0
+    value_clip: PositiveFloat | None = None
+    """Clip new values to old ± value_clip (PPO's clipped value loss); None disables it."""
+
+
+class PPOAdvEstimatorConfig(Strict):
+    name: Literal["gae", "raw_reward"] = "gae"
+    gae_lambda: Annotated[float, Field(ge=0, le=1)] = 0.95
+    gae_gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    normalize_advantages: bool = True
+    gae_lambda_value: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Decoupled lambda for the critic's returns (VAPO); None means gae_lambda."""
+    gae_lambda_policy: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Decoupled lambda for the actor's advantages; None means gae_lambda."""
+    length_adaptive_alpha: NonNegFloat | None = None
+    """Per-row policy lambda 1 - 1/(alpha * length) (VAPO); None disables it."""
+
+
+class PPOConfig(Strict):
+    num_prompts_per_step: PositiveInt = 16
+    num_generations_per_prompt: PositiveInt = 8
+    max_rollout_turns: PositiveInt = 1
+    max_num_epochs: PositiveInt = 1000
+    max_num_steps: PositiveInt = 200
+    ppo_epochs: PositiveInt = 1
+    """Policy and value updates per rollout batch (all reuse the same advantages and old logprobs)."""
+    policy_training_start_step: NonNegInt = 0
+    """Critic warm-up: train only the value model until this many steps have run."""
+    val_period: NonNegInt = 50
+    val_start_at: int = -1
+    val_at_start: bool = True
+    val_at_end: bool = True
+    val_greedy: bool = True
+    max_val_samples: PositiveInt = 200
+    val_batch_size: PositiveInt = 200
+    val_num_generations_per_prompt: PositiveInt = 1
+    stop_at_validation_metric: str | None = None
+    stop_at_validation_threshold: float | None = None
+    seed: int = 42
+    overlong_filtering: bool = False
+    reward_scaling: RewardScalingConfig = RewardScalingConfig()
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    adv_estimator: PPOAdvEstimatorConfig = PPOAdvEstimatorConfig()
+    seq_logprob_error_threshold: PositiveFloat | None = None
+    skip_reference_policy_logprobs_calculation: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------- top level
 class MasterConfig(Strict):
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    """Which trainer `relayrl train` runs: GRPO (the `grpo` block) or actor-critic PPO (`ppo`, `value`)."""
     policy: PolicyConfig = PolicyConfig()
     loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
     grpo: GRPOConfig = GRPOConfig()
@@ -330,32 +424,41 @@ class MasterConfig(Strict):
     cluster: ClusterConfig = ClusterConfig()
     reward_penalties: RewardPenaltiesConfig = RewardPenaltiesConfig()
     data_plane: DataPlaneConfig = DataPlaneConfig()
+    ppo: PPOConfig = PPOConfig()
+    value: ValueConfig = ValueConfig()
+    value_loss_fn: MseValueLossConfig = MseValueLossConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MasterConfig:
-        g, p = self.grpo, self.policy
-        rows = g.num_prompts_per_step * g.num_generations_per_prompt
-        if rows % p.train_global_batch_size:
-            raise ValueError(
-                f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} is not divisible by "
-                f"policy.train_global_batch_size = {p.train_global_batch_size}"
-            )
-        if p.train_global_batch_size % p.train_micro_batch_size:
-            raise ValueError(
-                f"policy.train_global_batch_size = {p.train_global_batch_size} is not divisible by "
-                f"policy.train_micro_batch_size = {p.train_micro_batch_size}"
-            )
+        p = self.policy
+        r: GRPOConfig | PPOConfig = self.grpo if self.algorithm == "grpo" else self.ppo
+        block = self.algorithm
+        rows = r.num_prompts_per_step * r.num_generations_per_prompt
+        batch_owners = [("policy", p.train_global_batch_size, p.train_micro_batch_size)]
+        if self.algorithm == "ppo":
+            batch_owners.append(("value", self.value.train_global_batch_size, self.value.train_micro_batch_size))
+        for owner, gbs, mbs in batch_owners:
+            if rows % gbs:
+                raise ValueError(
+                    f"{block}.num_prompts_per_step x {block}.num_generations_per_prompt = {rows} is not divisible by "
+                    f"{owner}.train_global_batch_size = {gbs}"
+                )
+            if gbs % mbs:
+                raise ValueError(
+                    f"{owner}.train_global_batch_size = {gbs} is not divisible by {owner}.train_micro_batch_size = {mbs}"
+                )
+        g = self.grpo
         if g.batch_multiplier != 1 and not g.use_dynamic_sampling:
             raise ValueError("grpo.batch_multiplier must be 1 unless grpo.use_dynamic_sampling is true")
-        if g.stop_at_validation_metric is not None and g.stop_at_validation_threshold is None:
-            raise ValueError("grpo.stop_at_validation_metric requires grpo.stop_at_validation_threshold")
-        if g.stop_at_validation_metric == "pass_k" and g.val_num_generations_per_prompt <= 1:
-            raise ValueError("grpo.stop_at_validation_metric 'pass_k' requires grpo.val_num_generations_per_prompt > 1")
-        if g.max_val_samples % g.val_batch_size and g.max_val_samples > g.val_batch_size:
-            raise ValueError("grpo.max_val_samples must be a multiple of grpo.val_batch_size")
-        if g.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
+        if r.stop_at_validation_metric is not None and r.stop_at_validation_threshold is None:
+            raise ValueError(f"{block}.stop_at_validation_metric requires {block}.stop_at_validation_threshold")
+        if r.stop_at_validation_metric == "pass_k" and r.val_num_generations_per_prompt <= 1:
+            raise ValueError(f"{block}.stop_at_validation_metric 'pass_k' requires val_num_generations_per_prompt > 1")
+        if r.max_val_samples % r.val_batch_size and r.max_val_samples > r.val_batch_size:
+            raise ValueError(f"{block}.max_val_samples must be a multiple of {block}.val_batch_size")
+        if r.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
             raise ValueError(
-                "grpo.skip_reference_policy_logprobs_calculation requires loss_fn.reference_policy_kl_penalty == 0"
+                f"{block}.skip_reference_policy_logprobs_calculation requires loss_fn.reference_policy_kl_penalty == 0"
             )
         if p.generation.max_new_tokens >= p.max_total_sequence_length:
             raise ValueError("policy.generation.max_new_tokens must be < policy.max_total_sequence_length")
@@ -375,5 +478,11 @@ class MasterConfig(Strict):
         return self.policy.max_total_sequence_length - self.policy.generation.max_new_tokens
 
     @property
+    def rollout(self) -> GRPOConfig | PPOConfig:
+        """The block holding the rollout/validation settings of the selected algorithm."""
+        return self.grpo if self.algorithm == "grpo" else self.ppo
+
+    @property
     def reference_model_needed(self) -> bool:
-        return self.loss_fn.reference_policy_kl_penalty > 0 and not self.grpo.skip_reference_policy_logprobs_calculation
+        skip = self.rollout.skip_reference_policy_logprobs_calculation
+        return self.loss_fn.reference_policy_kl_penalty > 0 and not skip

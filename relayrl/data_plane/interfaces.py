@@ -48,6 +48,9 @@ class MissingKeysError(_KeyLikeError):
         super().__init__(message)
         self.missing = list(missing)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray processes despite the extra argument
+        return (type(self), (self.args[0], self.missing))
+
 
 class UnknownFieldError(_KeyLikeError):
     """The field was not declared when the partition was registered."""
@@ -59,6 +62,9 @@ class FieldNotWrittenError(_KeyLikeError):
     def __init__(self, message: str, missing: Sequence[str]):
         super().__init__(message)
         self.missing = list(missing)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray processes despite the extra argument
+        return (type(self), (self.args[0], self.missing))
 
 
 class UnknownTaskError(_KeyLikeError):
@@ -276,6 +282,10 @@ class DataPlaneClient(ABC):
     def bytes_held(self) -> dict[str, int]:
         """Payload bytes currently held per partition (backends that can see their storage override this)."""
         return {}
+
+    def keys(self, partition_id: str) -> list[str]:
+        """Live keys of a partition in first-put order: what a leak check needs to name the leaked samples."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list the keys of a partition")
 
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """`data_plane/*` counters for the trainer's logger (the metered wrapper overrides this); `reset=True`

@@ -595,6 +595,9 @@ class MemoryDataPlaneClient(DataPlaneClient):
     def bytes_held(self) -> dict[str, int]:
         return {} if self._closed else self.store.bytes_held()
 
+    def keys(self, partition_id: str) -> list[str]:
+        return self._s().keys(partition_id)
+
 
 _process_store: ColumnarStore | None = None
 _process_lock = threading.Lock()

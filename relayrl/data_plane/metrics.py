@@ -221,6 +221,9 @@ class MeteredDataPlaneClient(DataPlaneClient):
     def bytes_held(self) -> dict[str, int]:
         return self.inner.bytes_held()
 
+    def keys(self, partition_id: str) -> list[str]:
+        return self.inner.keys(partition_id)
+
     def metrics(self, reset: bool = False) -> dict[str, float]:
         try:
             held: dict[str, int] | None = self.inner.bytes_held()

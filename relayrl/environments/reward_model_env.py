@@ -10,32 +10,17 @@ content, so the default template wraps it a second time; a reward model trained 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import PositiveInt
 
-from relayrl.config import Strict
+from relayrl.config import RewardModelEnvConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
 from relayrl.models.policy.reward_model import RewardModelPolicy
 
 Renderer = Callable[[MessageLog], str]
 _NORMALIZE_EPS = 1e-6
-
-
-class RewardModelEnvConfig(Strict):
-    """`env.reward_model`: where the classifier lives and how its scores become rewards."""
-
-    model_dir: str
-    """A local HF sequence-classification directory (num_labels=1) holding its tokenizer."""
-    normalize: bool = False
-    """Standardise each step's scores over the batch (mean 0, std 1) before returning them as rewards."""
-    device: str = "cpu"
-    micro_batch_size: PositiveInt = 32
-    render: Literal["chat_template", "concatenation"] = "chat_template"
-    """How a conversation becomes text: the tokenizer's chat template over role/content, or the contents joined
-    as they are (right for relayrl's prompt datasets, whose user message already holds the rendered prompt)."""
 
 
 def chat_template_renderer(tokenizer: Any) -> Renderer:

@@ -72,6 +72,9 @@ def _timed(timer: Any, label: str) -> Iterator[None]:
 class Policy(ColocatablePolicyInterface):
     """A Hugging Face causal LM trained with RL losses, executed by one worker per data-parallel rank."""
 
+    #: Worker class the group is built from (subclasses such as TQPolicy swap in a data-plane-aware worker).
+    worker_cls: type[PolicyWorker] = PolicyWorker
+
     def __init__(
         self,
         config: PolicyConfig,
@@ -95,7 +98,7 @@ class Policy(ColocatablePolicyInterface):
         self.has_reference = init_reference_model
         self.dp_size = self.cluster.num_nodes * self.cluster.workers_per_node
         self._group: WorkerGroup[PolicyWorker] = LocalWorkerGroup(
-            PolicyWorker,
+            self.worker_cls,
             self.dp_size,
             config=self.cfg,
             tokenizer=tokenizer,

@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import PositiveFloat, PositiveInt
 
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.value_loss import reduce_critic_metrics
-from relayrl.config import (
-    BUILTIN_TINY_MODEL,
-    ClusterConfig,
-    OptimizerConfig,
-    SchedulerConfig,
-    Strict,
-    TokenizerConfig,
-)
+from relayrl.config import ClusterConfig, ValueConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import WorkerGroup
 from relayrl.distributed.local import LocalWorkerGroup
@@ -39,38 +31,16 @@ _VALUE_KEYS = ("input_ids", "input_lengths")
 _TRAIN_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
 
 
-class ValueConfig(Strict):
-    """The critic's config: the policy keys that make sense for a value model (no generation, no reference)."""
-
-    model_name: str = BUILTIN_TINY_MODEL
-    """A local HF causal-LM directory, a sequence-classification (reward model) directory, or a saved critic."""
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    random_init: bool = False
-    hf_config_overrides: dict[str, Any] = {}
-    train_global_batch_size: PositiveInt = 128
-    train_micro_batch_size: PositiveInt = 128
-    logprob_batch_size: PositiveInt | None = None
-    """Rows per get_values micro-batch; None means train_micro_batch_size."""
-    max_total_sequence_length: PositiveInt = 64
-    precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_grad_norm: PositiveFloat | None = 1.0
-    activation_checkpointing: bool = False
-    optimizer: OptimizerConfig = OptimizerConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    head_init_std: PositiveFloat | None = None
-    """Std of a fresh head's weights; None means the backbone config's initializer_range (as transformers does)."""
-
-    @classmethod
-    def coerce(cls, config: Any) -> ValueConfig:
-        """A ValueConfig from itself, a dict, or any pydantic config sharing its keys (e.g. a PolicyConfig)."""
-        if isinstance(config, cls):
-            return config
-        if isinstance(config, dict):
-            return cls.model_validate(config)
-        if hasattr(config, "model_dump"):
-            dumped = config.model_dump()
-            return cls.model_validate({k: v for k, v in dumped.items() if k in cls.model_fields})
-        raise TypeError(f"value config must be a ValueConfig, a PolicyConfig or a dict, got {type(config).__name__}")
+def coerce_value_config(config: Any) -> ValueConfig:
+    """A ValueConfig from itself, a dict, or any pydantic config sharing its keys (e.g. a PolicyConfig)."""
+    if isinstance(config, ValueConfig):
+        return config
+    if isinstance(config, dict):
+        return ValueConfig.model_validate(config)
+    if hasattr(config, "model_dump"):
+        dumped = config.model_dump()
+        return ValueConfig.model_validate({k: v for k, v in dumped.items() if k in ValueConfig.model_fields})
+    raise TypeError(f"value config must be a ValueConfig, a PolicyConfig or a dict, got {type(config).__name__}")
 
 
 @contextlib.contextmanager
@@ -100,7 +70,7 @@ class Value(ValueInterface):
         optimizer_path: str | None = None,
         max_num_steps: int | None = None,
     ) -> None:
-        self.cfg = ValueConfig.coerce(config)
+        self.cfg = coerce_value_config(config)
         self.cluster = cluster if cluster is not None else ClusterConfig()
         if self.cluster.executor != "local":
             raise NotImplementedError(

@@ -1,0 +1,143 @@
+"""TQPolicyWorker: a `PolicyWorker` that takes its batch from the data plane instead of from the driver.
+
+Each `*_presharded` entrypoint receives only a small `KVBatchMeta` naming this rank's keys. The worker fetches
+those rows from the store (padded to the batch-wide width stamped by the driver), runs the ordinary
+`PolicyWorker` computation, and writes per-token results back under the same keys, leader rank only. Only
+metadata and training statistics travel back to the driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.data_plane.schema import (
+    ADVANTAGES,
+    GENERATION_LOGPROBS,
+    PREV_LOGPROBS,
+    REFERENCE_POLICY_LOGPROBS,
+    SAMPLE_MASK,
+    TOKEN_MASK,
+)
+from relayrl.data_plane.worker import DataPlaneWorkerMixin
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.policy.worker import PolicyWorker
+
+#: Train inputs a step may skip. The legacy trainer then trains on zeros of the shape of `generation_logprobs`,
+#: so a missing one is filled the same way.
+ZERO_FILLED_WHEN_SKIPPED: tuple[str, ...] = (PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS)
+#: What the per-sequence log-prob error reduction reads.
+SEQ_ERROR_FIELDS: tuple[str, ...] = (TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, GENERATION_LOGPROBS)
+
+
+class TQPolicyWorker(PolicyWorker, DataPlaneWorkerMixin):
+    """One data-parallel rank of a `TQPolicy`. Adds no construction state: attach with `setup_data_plane`."""
+
+    # ------------------------------------------------------------------ logprob-style passes
+    def get_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
+        """Policy log-probs of this rank's keys, written back as `prev_logprobs`. Returns None."""
+        self._logprob_pass(meta, self.get_logprobs, micro_batch_size, "logprobs", PREV_LOGPROBS)
+
+    def get_reference_policy_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
+        """Reference-model log-probs of this rank's keys, written back as `reference_policy_logprobs`."""
+        self._logprob_pass(
+            meta, self.get_reference_policy_logprobs, micro_batch_size, "reference_logprobs", REFERENCE_POLICY_LOGPROBS
+        )
+
+    def _logprob_pass(
+        self,
+        meta: KVBatchMeta,
+        compute: Callable[[BatchedDataDict, int | None], BatchedDataDict],
+        micro_batch_size: int | None,
+        result_key: str,
+        field: str,
+    ) -> None:
+        if meta.size == 0:  # more ranks than rows: this rank has nothing to do
+            return None
+        data = self._fetch(meta)
+        result = compute(data, micro_batch_size)  # [n, W] at the global forward width
+        self._write_back(meta, result, result_key=result_key, field=field)
+        return None
+
+    def _write_back(self, meta: KVBatchMeta, result: Mapping[str, Any], *, result_key: str, field: str) -> None:
+        if result_key not in result:
+            raise RuntimeError(f"worker result is missing key '{result_key}' (has {sorted(result)})")
+        self._write_back_result_field(meta, field, result[result_key])
+
+    # ------------------------------------------------------------------ training
+    def train_presharded(
+        self,
+        meta: KVBatchMeta,
+        loss_fn: Callable[..., Any],
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Fetch this rank's training rows (`meta.fields`), then run the ordinary `train`; returns its result."""
+        if meta.size == 0:
+            raise ValueError(
+                "train_presharded: this rank's meta has no keys; the global batch must give every rank rows"
+            )
+        data = complete_train_batch(self._fetch(meta))
+        return self.train(
+            data,
+            loss_fn,
+            eval_mode,
+            gbs or self.cfg.train_global_batch_size,
+            mbs or self.cfg.train_micro_batch_size,
+        )
+
+    # ------------------------------------------------------------------ per-row reductions
+    def seq_logprob_error_presharded(self, meta: KVBatchMeta) -> dict[str, torch.Tensor]:
+        """Per-sequence train/generation log-prob error of this rank's rows, reduced here so that only two
+        floats a row (not three per-token columns) travel to the driver."""
+        if meta.size == 0:
+            return {"seq_logprob_error": torch.zeros(0), "num_loss_tokens": torch.zeros(0)}
+        data = self._fetch(meta, SEQ_ERROR_FIELDS)
+        seq_err, num_tokens = per_sequence_logprob_error(
+            data[TOKEN_MASK], data[SAMPLE_MASK], data[PREV_LOGPROBS], data[GENERATION_LOGPROBS]
+        )
+        return {"seq_logprob_error": seq_err, "num_loss_tokens": num_tokens}
+
+    # ------------------------------------------------------------------ observability
+    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
+        """This rank's client counters (`data_plane/*`), so the driver can total bytes moved by every client."""
+        return {} if self._dp_client is None else self._dp_client.metrics(reset)
+
+
+def complete_train_batch(data: BatchedDataDict) -> BatchedDataDict:
+    """Bring a fetched train batch to the legacy trainer's layout.
+
+    - per-row `advantages` `[n]` (the GRPO estimator's advantage is one value per sequence, stored as 4 bytes a
+      row instead of a per-token column) are broadcast to `[n, W]`, exactly the legacy zero-stride expansion;
+    - `prev_logprobs` / `reference_policy_logprobs` the step skipped become zeros like `generation_logprobs`.
+    """
+    adv = data.get(ADVANTAGES)
+    if isinstance(adv, torch.Tensor) and adv.dim() == 1:
+        if TOKEN_MASK not in data:
+            raise ValueError("per-row advantages need token_mask in the fetched fields to know the sequence width")
+        data[ADVANTAGES] = adv.unsqueeze(-1).expand(-1, data[TOKEN_MASK].shape[1])  # [n, W]
+    for name in ZERO_FILLED_WHEN_SKIPPED:
+        if name not in data:
+            if GENERATION_LOGPROBS not in data:
+                raise ValueError(f"train batch lacks both '{name}' and '{GENERATION_LOGPROBS}' to zero-fill it from")
+            data[name] = torch.zeros_like(data[GENERATION_LOGPROBS])  # [n, W]
+    return data
+
+
+def per_sequence_logprob_error(
+    token_mask: torch.Tensor,  # [B, S]
+    sample_mask: torch.Tensor,  # [B]
+    prev_logprobs: torch.Tensor,  # [B, S]
+    generation_logprobs: torch.Tensor,  # [B, S]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(err [B], loss tokens [B]): the row-local first half of `compute_seq_logprob_error_metrics`, op for op, so
+    rows reduced on different ranks equal the driver-side values. err_i = sum_t exp(|g - p|) m / sum_t m."""
+    m = token_mask[:, 1:].float() * sample_mask.float().unsqueeze(-1)  # [B, S-1]
+    abs_err = (generation_logprobs[:, 1:].float() - prev_logprobs[:, 1:].float()).abs()  # [B, S-1]
+    num_tokens = m.sum(dim=-1)  # [B]
+    per_token = torch.where(m > 0, torch.exp(abs_err) * m, torch.zeros_like(m))  # [B, S-1]
+    return per_token.sum(dim=-1) / num_tokens.clamp(min=1), num_tokens  # [B], [B]

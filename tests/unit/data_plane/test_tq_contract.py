@@ -1,0 +1,114 @@
+"""The contract suite on the `transfer_queue` backend, plus checks of the TQ behaviours the adapter compensates.
+
+TransferQueue takes 10-40 s to start here (three actor processes importing torch), so one instance serves the
+module; each check's client attaches to it after a `reset` (empty store, the capacity the check asked for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from relayrl.config import DataPlaneConfig
+from relayrl.data_plane.codec import Column
+from relayrl.data_plane.interfaces import DataPlaneClient, FieldNotWrittenError, MissingKeysError
+from tests.unit.data_plane.contract import CONTRACT_CHECKS
+from tests.unit.data_plane.test_ray_contract import ray_cluster  # noqa: F401  (shared session fixture)
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("transfer_queue")
+
+pytestmark = pytest.mark.ray
+
+CFG = DataPlaneConfig(enabled=True, backend="transfer_queue", storage_capacity=10_000)
+
+
+@pytest.fixture(scope="module")
+def tq_owner(ray_cluster: None) -> Iterator[DataPlaneClient]:  # noqa: F811
+    from relayrl.data_plane.tq_adapter import build_client
+
+    owner = build_client(CFG, bootstrap=True)
+    try:
+        yield owner
+    finally:
+        owner.close()
+
+
+@pytest.fixture
+def make_client(tq_owner: DataPlaneClient) -> Callable[..., DataPlaneClient]:
+    from relayrl.data_plane.tq_adapter import TQDataPlaneClient, build_client
+
+    def make(storage_capacity: int = 10_000) -> DataPlaneClient:
+        assert isinstance(tq_owner, TQDataPlaneClient)
+        tq_owner.reset(storage_capacity)
+        return build_client(CFG, bootstrap=False)
+
+    return make
+
+
+@pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__)
+def test_tq_contract(check: Callable[[Callable[..., DataPlaneClient]], None], make_client: Callable) -> None:
+    check(make_client)
+
+
+def test_tq_silent_behaviours_are_compensated(make_client: Callable[..., DataPlaneClient]) -> None:
+    """Each case below is one where bare TransferQueue answers silently (transferqueue-measured.md §5)."""
+    import transfer_queue as tq
+
+    c = make_client()
+    c.register_partition("p", ["ids", "x", "y"], 3, ["t"])
+    c.put_samples(["a", "b", "c"], "p", {"ids": Column(torch.arange(6), torch.tensor([1, 2, 3]))})
+    # TQ alone returns 2 rows for 3 keys when one is missing.
+    assert tq.kv_batch_get(["a", "zz", "c"], "p", ["ids"]).batch_size[0] == 2
+    with pytest.raises(MissingKeysError):
+        c.get_samples(["a", "zz", "c"], "p", ["ids"])
+    # TQ alone returns an empty result for a field only some keys have.
+    c.put_samples(["a"], "p", {"x": torch.tensor([1.0])})
+    assert len(tq.kv_batch_get(["a", "b"], "p", ["x"]).keys()) == 0
+    with pytest.raises(FieldNotWrittenError):
+        c.get_samples(["a", "b"], "p", ["x"])
+    # TQ alone returns every dense multi-dim field as a nested tensor; the adapter restores the dense column.
+    grid = torch.arange(18).reshape(3, 2, 3)
+    c.put_samples(["a", "b", "c"], "p", {"y": grid})
+    got = c.get_samples(["c", "a"], "p", ["y"])["y"]
+    assert not got.is_jagged and torch.equal(got.values, grid[[2, 0]])
+    # A rejected put never reaches TQ (bare TQ keeps the keys of a put its storage rejected registered).
+    with pytest.raises(Exception, match="first written"):
+        c.put_samples(["new"], "p", {"x": torch.tensor([1])})
+    assert "new" not in tq.kv_list("p").get("p", {})
+    c.close()
+
+
+def test_put_that_tq_reports_but_does_not_record_is_rolled_back(
+    make_client: Callable[..., DataPlaneClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TQ logs, but does not raise, when its controller rejects or never acknowledges a put's update."""
+    from relayrl.data_plane import tq_adapter
+
+    c = make_client()
+    c.register_partition("p", ["x"], 3, ["t"])
+    c.put_samples(["a"], "p", {"x": torch.tensor([1.0])})
+
+    async def reported_but_not_recorded(**_: object) -> None:
+        return None
+
+    monkeypatch.setattr(tq_adapter.tq, "async_kv_batch_put", reported_but_not_recorded)
+    with pytest.raises(RuntimeError, match="recorded"):
+        c.put_samples(["a", "b"], "p", {"x": torch.tensor([2.0, 3.0])})
+    monkeypatch.undo()
+    with pytest.raises(MissingKeysError):  # the new key was rolled back
+        c.get_samples(["b"], "p", ["x"])
+    with pytest.raises(FieldNotWrittenError):  # the overwritten key may hold a mix: refused, not guessed
+        c.get_samples(["a"], "p", ["x"])
+    c.put_samples(["a"], "p", {"x": torch.tensor([4.0])})
+    assert c.get_samples(["a"], "p", ["x"])["x"].values.tolist() == [4.0]
+    c.close()
+
+
+def test_second_bootstrap_fails_clearly(tq_owner: DataPlaneClient) -> None:
+    from relayrl.data_plane.tq_adapter import build_client
+
+    with pytest.raises(RuntimeError, match="already runs"):
+        build_client(CFG, bootstrap=True)
