@@ -14,15 +14,17 @@ import torch
 
 from relayrl.algorithms.advantages import apply_advantage_overrides, build_advantage_estimator, clip_advantages
 from relayrl.algorithms.grpo_common import (
+    StepTail,
     advantage_metrics,
     early_stop_reached,
+    first_assistant_lengths,
     post_process_rewards,
     resolve_logprob_skip_flags,
-    save_checkpoint,
-    should_validate,
+    sample_rows,
+    step_metrics,
 )
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
-from relayrl.algorithms.utils import aggregate_train_metrics, calculate_baseline_and_std_per_prompt
+from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import (
@@ -63,8 +65,14 @@ def grpo_train(
     flag_to_adv = cfg.reward_penalties.flag_to_advantage()
     last_metrics: dict[str, Any] = {}
 
+    def run_validation(step: int) -> dict[str, Any]:
+        return _run_validation(policy_generation, val_dataloader, tokenizer, val_task_to_env, step, cfg, logger)
+
+    tail = StepTail(
+        cfg, state, timer, timeout, dataloader, policy, policy_generation, checkpointer, logger, run_validation
+    )
     if g.val_at_start and state.total_steps == 0:
-        val_metrics = _run_validation(policy_generation, val_dataloader, tokenizer, val_task_to_env, 0, cfg, logger)
+        val_metrics = run_validation(0)
         if early_stop_reached(val_metrics, cfg):
             return {"validation": val_metrics}
 
@@ -103,7 +111,10 @@ def grpo_train(
             # ---- rewards: scaling/shaping, then per-prompt baseline and std ----
             with timer.time("reward_calculation"):
                 rewards, unshaped = post_process_rewards(
-                    repeated["total_reward"], repeated["truncated"], repeated["message_log"], cfg
+                    repeated["total_reward"],
+                    repeated["truncated"],
+                    lambda b=repeated: first_assistant_lengths(b["message_log"]),
+                    cfg,
                 )
                 repeated["total_reward"] = rewards
                 baseline, std = calculate_baseline_and_std_per_prompt(
@@ -187,74 +198,30 @@ def grpo_train(
                 train_results = policy.train(train_data, loss_fn)
                 policy.finish_training()
 
-            # ---- validate, assemble metrics, checkpoint, log ----
-            is_last_step = step >= g.max_num_steps or (
-                state.current_epoch + 1 == g.max_num_epochs and state.current_step + 1 == len(dataloader)
+            # ---- metrics, then validate / checkpoint / log (shared with grpo_sync) ----
+            metrics = step_metrics(
+                train_results=train_results,
+                reward_for_log=reward_for_log,
+                filtered_reward=train_batch.get("filtered_reward"),
+                prompt_lengths=train_batch["length"],
+                input_lengths=input_lengths,
+                adv_metrics=advantage_metrics(advantages, mask, train_batch["baseline"]),
+                rollout_metrics=rollout_metrics,
+                seq_err_metrics=seq_err_metrics,
+                ds_metrics=ds_metrics,
             )
-            val_metrics: dict[str, Any] | None = None
-            if should_validate(step, cfg, is_last_step):
-                val_metrics = _run_validation(
-                    policy_generation, val_dataloader, tokenizer, val_task_to_env, step, cfg, logger
-                )
-            stop_early = val_metrics is not None and early_stop_reached(val_metrics, cfg)
-
-            metrics = aggregate_train_metrics(train_results["all_mb_metrics"])
-            metrics.update(
-                loss=float(train_results["loss"].sum()),
-                grad_norm=float(train_results["grad_norm"]),
-                reward=float(reward_for_log.float().mean()),
-                mean_prompt_length=float(train_batch["length"].float().mean()),
-                total_num_tokens=float(input_lengths.sum()),
-                **advantage_metrics(advantages, mask, train_batch["baseline"]),
-                **rollout_metrics,
-                **seq_err_metrics,
-                **ds_metrics,
-            )
-            if "filtered_reward" in train_batch:
-                metrics["filtered_reward"] = float(train_batch["filtered_reward"].float().mean())
-            state.total_valid_tokens += int(metrics.get("global_valid_toks", 0))
-            state.consumed_samples += g.num_prompts_per_step
-            state.current_step += 1
-            state.total_steps = step
-            timeout.mark_iteration()
-            out_of_time = timeout.check_save()
-
-            if cfg.checkpointing.enabled and (
-                is_last_step or stop_early or out_of_time or step % cfg.checkpointing.save_period == 0
-            ):
-                with timer.time("checkpointing"):
-                    state.val_reward = val_metrics["accuracy"] if val_metrics else None
-                    save_checkpoint(
-                        checkpointer=checkpointer,
-                        policy=policy,
-                        policy_generation=policy_generation,
-                        dataloader=dataloader,
-                        state=state,
-                        cfg=cfg,
-                        metrics_for_ranking={"val": val_metrics or {}, "train": metrics},
-                    )
-            timer.stop("total_step_time")
-            timing = timer.get_timing_metrics("sum")
-            step_time = timing["total_step_time"]
-            metrics["valid_tokens_per_sec"] = metrics.get("global_valid_toks", 0.0) / max(step_time, 1e-9)
-            logger.log_metrics(metrics, step, prefix="train")
-            logger.log_metrics(timing, step, prefix="timing/train")
-            logger.log_metrics(
-                {
-                    "samples_per_sec": g.num_prompts_per_step * g.num_generations_per_prompt / max(step_time, 1e-9),
-                    "tokens_per_sec": metrics["total_num_tokens"] / max(step_time, 1e-9),
-                },
+            metrics["driver_bytes"] = float(_nbytes(train_data))  # the legacy path moves every byte through here
+            logs = train_batch["message_log"]
+            samples = sample_rows(
+                ["".join(m["content"] for m in log if m["role"] in ("system", "user")) for log in logs],
+                ["".join(m["content"] for m in log if m["role"] == "assistant") for log in logs],
+                rewards,
                 step,
-                prefix="performance",
+                cfg.logger.num_train_samples_to_log,
             )
-            _log_samples(logger, train_batch, rewards, step, cfg.logger.num_train_samples_to_log)
-            last_metrics = {"train": metrics, "validation": val_metrics, "timing": timing}
-
-            timer.reset()
+            stop, last_metrics = tail.finish(step, metrics, samples)
             batch_cache, num_gen_batches, pending_unfiltered_rewards = None, 0, []
-            if stop_early or out_of_time or state.total_steps >= g.max_num_steps:
-                if out_of_time:
-                    logger.print_message("Wall-clock budget reached: checkpoint saved, stopping.")
+            if stop:
                 return last_metrics
         state.current_epoch += 1
         state.current_step = 0
@@ -370,12 +337,5 @@ def _run_validation(
     return val_metrics
 
 
-def _log_samples(logger: Any, batch: BatchedDataDict, rewards: torch.Tensor, step: int, n: int) -> None:
-    rows = []
-    for i in range(min(n, batch.size)):
-        log = batch["message_log"][i]
-        prompt = "".join(m["content"] for m in log if m["role"] in ("system", "user"))
-        completion = "".join(m["content"] for m in log if m["role"] == "assistant")
-        rows.append({"step": step, "prompt": prompt, "completion": completion, "reward": float(rewards[i])})
-    if rows:
-        logger.log_jsonl(rows, "samples.jsonl")
+def _nbytes(batch: BatchedDataDict) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))

@@ -75,9 +75,14 @@ def early_stop_reached(val_metrics: dict[str, Any], cfg: MasterConfig) -> bool:
     return float(val_metrics[name]) >= threshold
 
 
-def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> dict[str, float]:
-    """Summary statistics the reference logs under train/advantages/* and train/baseline_reward/*."""
-    valid = advantages[mask.bool()]
+def advantage_metrics(
+    advantages: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor, valid_values: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Summary statistics the reference logs under train/advantages/* and train/baseline_reward/*.
+
+    `valid_values` may replace `advantages[mask.bool()]` when the caller has the loss-token values already.
+    """
+    valid = advantages[mask.bool()] if valid_values is None else valid_values
     out = {
         "advantages/mean": valid.mean().item() if valid.numel() else 0.0,
         "advantages/max": valid.max().item() if valid.numel() else 0.0,
@@ -123,3 +128,112 @@ def save_checkpoint(
     rng = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
     torch.save(rng, tmp / "rng_state.pt")
     return checkpointer.finalize_checkpoint(tmp)
+
+
+@dataclasses.dataclass
+class StepTail:
+    """The end of every training step, identical in both trainers: validate, count, checkpoint, log.
+
+    Keeping it in one place is what makes the legacy and data-plane trainers log the same metrics in the same order.
+    """
+
+    cfg: MasterConfig
+    state: GRPOSaveState
+    timer: Any
+    timeout: Any
+    dataloader: Any
+    policy: Any
+    policy_generation: Any
+    checkpointer: CheckpointManager
+    logger: Any
+    run_validation: Any  # Callable[[int], dict[str, Any]]
+
+    def is_last_step(self, step: int) -> bool:
+        g = self.cfg.rollout
+        return step >= g.max_num_steps or (
+            self.state.current_epoch + 1 == g.max_num_epochs and self.state.current_step + 1 == len(self.dataloader)
+        )
+
+    def finish(self, step: int, metrics: dict[str, Any], samples: list[dict[str, Any]]) -> tuple[bool, dict[str, Any]]:
+        """Validate if due, update counters, checkpoint if due, log. Returns (stop training, last metrics)."""
+        cfg, state, timer, g = self.cfg, self.state, self.timer, self.cfg.rollout
+        is_last = self.is_last_step(step)
+        val_metrics = self.run_validation(step) if should_validate(step, cfg, is_last) else None
+        stop_early = val_metrics is not None and early_stop_reached(val_metrics, cfg)
+
+        state.total_valid_tokens += int(metrics.get("global_valid_toks", 0))
+        state.consumed_samples += g.num_prompts_per_step
+        state.current_step += 1
+        state.total_steps = step
+        self.timeout.mark_iteration()
+        out_of_time = self.timeout.check_save()
+        if cfg.checkpointing.enabled and (
+            is_last or stop_early or out_of_time or step % cfg.checkpointing.save_period == 0
+        ):
+            with timer.time("checkpointing"):
+                state.val_reward = val_metrics["accuracy"] if val_metrics else None
+                save_checkpoint(
+                    checkpointer=self.checkpointer,
+                    policy=self.policy,
+                    policy_generation=self.policy_generation,
+                    dataloader=self.dataloader,
+                    state=state,
+                    cfg=cfg,
+                    metrics_for_ranking={"val": val_metrics or {}, "train": metrics},
+                )
+        timer.stop("total_step_time")
+        timing = timer.get_timing_metrics("sum")
+        step_time = max(timing["total_step_time"], 1e-9)
+        metrics["valid_tokens_per_sec"] = metrics.get("global_valid_toks", 0.0) / step_time
+        self.logger.log_metrics(metrics, step, prefix="train")
+        self.logger.log_metrics(timing, step, prefix="timing/train")
+        rows = g.num_prompts_per_step * g.num_generations_per_prompt
+        perf = {"samples_per_sec": rows / step_time, "tokens_per_sec": metrics["total_num_tokens"] / step_time}
+        self.logger.log_metrics(perf, step, prefix="performance")
+        if samples:
+            self.logger.log_jsonl(samples, "samples.jsonl")
+        timer.reset()
+        stop = stop_early or out_of_time or state.total_steps >= g.max_num_steps
+        if out_of_time:
+            self.logger.print_message("Wall-clock budget reached: checkpoint saved, stopping.")
+        return stop, {"train": metrics, "validation": val_metrics, "timing": timing}
+
+
+def step_metrics(
+    *,
+    train_results: dict[str, Any],
+    reward_for_log: torch.Tensor,
+    filtered_reward: torch.Tensor | None,
+    prompt_lengths: torch.Tensor,
+    input_lengths: torch.Tensor,
+    adv_metrics: dict[str, float],
+    rollout_metrics: dict[str, Any],
+    seq_err_metrics: dict[str, float],
+    ds_metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """The `train/*` metrics of a step, assembled the same way by both trainers."""
+    from relayrl.algorithms.utils import aggregate_train_metrics
+
+    metrics = aggregate_train_metrics(train_results["all_mb_metrics"])
+    metrics.update(
+        loss=float(train_results["loss"].sum()),
+        grad_norm=float(train_results["grad_norm"]),
+        reward=float(reward_for_log.float().mean()),
+        mean_prompt_length=float(prompt_lengths.float().mean()),
+        total_num_tokens=float(input_lengths.sum()),
+        **adv_metrics,
+        **rollout_metrics,
+        **seq_err_metrics,
+        **ds_metrics,
+    )
+    if filtered_reward is not None:
+        metrics["filtered_reward"] = float(filtered_reward.float().mean())
+    return metrics
+
+
+def sample_rows(prompts: list[str], completions: list[str], rewards: torch.Tensor, step: int, n: int) -> list[dict]:
+    """A few prompts/completions/rewards of the step for samples.jsonl."""
+    return [
+        {"step": step, "prompt": p, "completion": c, "reward": float(r)}
+        for p, c, r in list(zip(prompts, completions, rewards.tolist()))[:n]
+    ]

@@ -80,13 +80,15 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
-    policy = Policy(
-        cfg.policy,
-        tokenizer,
-        cluster=cfg.cluster,
-        init_reference_model=cfg.reference_model_needed,
-        max_num_steps=cfg.grpo.max_num_steps,
+    policy_kwargs: dict[str, Any] = dict(
+        cluster=cfg.cluster, init_reference_model=cfg.reference_model_needed, max_num_steps=cfg.rollout.max_num_steps
     )
+    if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
+        from relayrl.models.policy.tq_policy import TQPolicy
+
+        policy: Any = TQPolicy(cfg.policy, tokenizer, dp_cfg=cfg.data_plane, **policy_kwargs)
+    else:
+        policy = Policy(cfg.policy, tokenizer, **policy_kwargs)
     if last is not None:
         optimizer_dir = last / "policy" / "optimizer"
         policy.load_checkpoint(
@@ -135,13 +137,15 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
     from relayrl.algorithms.grpo import grpo_train
+    from relayrl.algorithms.grpo_sync import grpo_train_sync
 
+    trainer = grpo_train_sync if cfg.data_plane.enabled else grpo_train
     try:
         c = setup(cfg, run_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
         raise SetupError(str(exc).strip("'\"")) from exc
     try:
-        grpo_train(
+        trainer(
             c.policy,
             c.policy_generation,
             c.dataloader,

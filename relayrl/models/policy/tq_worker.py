@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from relayrl.algorithms.logprob_error import per_sequence_logprob_error
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import (
     ADVANTAGES,
@@ -126,18 +127,3 @@ def complete_train_batch(data: BatchedDataDict) -> BatchedDataDict:
                 raise ValueError(f"train batch lacks both '{name}' and '{GENERATION_LOGPROBS}' to zero-fill it from")
             data[name] = torch.zeros_like(data[GENERATION_LOGPROBS])  # [n, W]
     return data
-
-
-def per_sequence_logprob_error(
-    token_mask: torch.Tensor,  # [B, S]
-    sample_mask: torch.Tensor,  # [B]
-    prev_logprobs: torch.Tensor,  # [B, S]
-    generation_logprobs: torch.Tensor,  # [B, S]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(err [B], loss tokens [B]): the row-local first half of `compute_seq_logprob_error_metrics`, op for op, so
-    rows reduced on different ranks equal the driver-side values. err_i = sum_t exp(|g - p|) m / sum_t m."""
-    m = token_mask[:, 1:].float() * sample_mask.float().unsqueeze(-1)  # [B, S-1]
-    abs_err = (generation_logprobs[:, 1:].float() - prev_logprobs[:, 1:].float()).abs()  # [B, S-1]
-    num_tokens = m.sum(dim=-1)  # [B]
-    per_token = torch.where(m > 0, torch.exp(abs_err) * m, torch.zeros_like(m))  # [B, S-1]
-    return per_token.sum(dim=-1) / num_tokens.clamp(min=1), num_tokens  # [B], [B]
