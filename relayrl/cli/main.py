@@ -37,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--config", help="config to evaluate with (default: the checkpoint's own config.yaml)")
     e.add_argument("overrides", nargs="*")
 
+    pa = sub.add_parser("parity", help="run the legacy and the data-plane trainer on one config; compare metrics")
+    pa.add_argument("--config", help="YAML config (default: the embedded default run)")
+    pa.add_argument("--steps", type=int, default=5, help="training steps per trainer (default 5)")
+    pa.add_argument("--tolerance", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)")
+    pa.add_argument("--out", help="directory for both runs (default: a new runs/NNN)")
+    pa.add_argument("overrides", nargs="*")
+
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
@@ -49,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args)
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command == "parity":
+        return _parity(args)
     return _plot(args)
 
 
@@ -103,6 +112,36 @@ def _evaluate(args: argparse.Namespace) -> int:
         return _fail(str(exc).strip("'\""))
     print(json.dumps(metrics))
     return 0
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from relayrl.utils.paths import next_run_dir
+
+    if args.steps < 1:
+        return _fail(f"--steps must be >= 1, got {args.steps}")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    from relayrl.algorithms.parity import run_parity
+    from relayrl.algorithms.setup import SetupError
+
+    out = Path(args.out) if args.out else next_run_dir("runs")
+    try:
+        report = run_parity(cfg, out, steps=args.steps)
+    except SetupError as exc:
+        return _fail(str(exc))
+    worst = sorted(report["max_abs_diff"].items(), key=lambda kv: -kv[1])
+    width = max((len(k) for k, _ in worst), default=10)
+    print(f"parity over steps {report['steps']} ({len(worst)} metrics; runs in {out}):")
+    for name, diff in worst:
+        flag = "" if diff <= args.tolerance else "   <-- beyond tolerance"
+        print(f"  {name:<{width}}  {diff:.3g}{flag}")
+    for line in report["missing"]:
+        print(f"  MISSING: {line}")
+    failed = [k for k, d in worst if d > args.tolerance] + report["missing"]
+    print(f"parity {'FAILED' if failed else 'OK'} (tolerance {args.tolerance:g})")
+    return 1 if failed else 0
 
 
 def _plot(args: argparse.Namespace) -> int:

@@ -179,10 +179,15 @@ def test_store_columns_equal_the_legacy_flatten_bit_for_bit(setup: SimpleNamespa
         "length",
         "input_lengths",
         "prompt_ids",
+        "prompt_group",
         "response_token_lengths",
         "loss_token_counts",
     ]
     assert torch.equal(carry["loss_token_counts"], want["token_mask"].sum(-1))
+    # group ids partition rows exactly as the prompt token rows do
+    same_ids = carry["prompt_group"].unsqueeze(0) == carry["prompt_group"].unsqueeze(1)
+    same_rows = (carry["prompt_ids"].unsqueeze(0) == carry["prompt_ids"].unsqueeze(1)).all(-1)
+    assert torch.equal(same_ids, same_rows)
     assert torch.equal(carry["total_reward"], legacy["total_reward"]) and carry["total_reward"].dtype == torch.float32
     assert torch.equal(carry["truncated"], legacy["truncated"]) and carry["truncated"].dtype == torch.bool
     assert torch.equal(carry["prompt_ids"], prompt_flat["token_ids"])
@@ -255,3 +260,16 @@ def test_bulk_goes_to_the_store_not_through_the_driver(setup: SimpleNamespace) -
     with pytest.raises(DataPlaneClosedError):
         s.actor.client.get_samples(["x"], "train", ["input_ids"])
     assert s.driver.bytes_held()["train"] > 0  # detaching the actor leaves the driver's store alone
+
+
+def test_compact_tensor_is_exact_and_smaller():
+    from relayrl.experience.sync_rollout_actor import compact_tensor
+
+    ints = torch.tensor([0, 5, 30000], dtype=torch.int64)
+    assert compact_tensor(ints).dtype == torch.int16 and torch.equal(compact_tensor(ints).long(), ints)
+    big = torch.tensor([0, 70000], dtype=torch.int64)
+    assert compact_tensor(big).dtype == torch.int32 and torch.equal(compact_tensor(big).long(), big)
+    binary = torch.tensor([0.0, 1.0, 1.0])
+    assert compact_tensor(binary).dtype == torch.bool and torch.equal(compact_tensor(binary).float(), binary)
+    frac = torch.tensor([0.5, 1.0])
+    assert compact_tensor(frac) is frac
