@@ -176,6 +176,10 @@ class GRPOConfig(Strict):
     adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
     seq_logprob_error_threshold: PositiveFloat | None = None
     skip_reference_policy_logprobs_calculation: bool = False
+    skip_prev_logprobs_when_on_policy: bool = True
+    """When a step is exactly one optimizer step on fresh rollouts, the old-policy logprobs equal the training
+    forward's detached logprobs: skip the separate pass and use ratio = exp(logp - logp.detach()) (what TRL does).
+    Off when seq_logprob_error_threshold is set, or with CISPO / REINFORCE losses, which need them."""
 
 
 class RewardPenaltiesConfig(Strict):

@@ -7,6 +7,7 @@ checkpoint → log), each phase under a named timer. `grpo_sync.py` is its data-
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from relayrl.experience.rollouts import (
     batched_message_log_to_flat_message,
     build_message_advantage_overrides,
     run_multi_turn_rollout,
+    trim_to_last_loss_token,
 )
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.timer import TimeoutChecker, Timer
@@ -113,7 +115,7 @@ def grpo_train(
                 rewards, unshaped = post_process_rewards(
                     repeated["total_reward"],
                     repeated["truncated"],
-                    lambda b=repeated: first_assistant_lengths(b["message_log"]),
+                    functools.partial(first_assistant_lengths, repeated["message_log"]),
                     cfg,
                 )
                 repeated["total_reward"] = rewards
@@ -145,12 +147,14 @@ def grpo_train(
                 add_token_loss_masks(train_batch["message_log"], only_generated=True)
                 if flag_to_adv:
                     build_message_advantage_overrides(train_batch["message_log"], flag_to_adv)
-                flat, input_lengths = batched_message_log_to_flat_message(
-                    train_batch["message_log"],
+                flat, input_lengths = trim_to_last_loss_token(
+                    *batched_message_log_to_flat_message(
+                        train_batch["message_log"], pad_value_dict={"token_ids": pad_id}
+                    ),
                     pad_value_dict={"token_ids": pad_id},
                     make_sequence_length_divisible_by=cfg.policy.make_sequence_length_divisible_by,
                 )
-                train_data = BatchedDataDict(
+                train_data: BatchedDataDict[Any] = BatchedDataDict(
                     input_ids=flat["token_ids"],  # [B, S]
                     input_lengths=input_lengths,  # [B]
                     generation_logprobs=flat["generation_logprobs"],  # [B, S]

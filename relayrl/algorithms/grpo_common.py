@@ -8,16 +8,39 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from relayrl.algorithms.reward_functions import apply_reward_shaping, scale_rewards
-from relayrl.config import MasterConfig
+from relayrl.config import ClippedPGLossConfig, MasterConfig
 from relayrl.environments.interfaces import MessageLog
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.seeding import capture_rng_state
+
+
+def on_policy_single_step(cfg: MasterConfig) -> bool:
+    """True when `grpo.skip_prev_logprobs_when_on_policy` applies: every training step is exactly one optimizer
+    step on rollouts of the current weights, so a separate old-policy logprob pass would recompute what the
+    training forward already has."""
+    g, loss = cfg.grpo, cfg.loss_fn
+    return (
+        cfg.algorithm == "grpo"
+        and g.skip_prev_logprobs_when_on_policy
+        and g.num_prompts_per_step * g.num_generations_per_prompt == cfg.policy.train_global_batch_size
+        and g.seq_logprob_error_threshold is None
+        and not loss.use_cispo
+        and not loss.disable_ppo_ratio
+    )
+
+
+def effective_loss_config(cfg: MasterConfig) -> ClippedPGLossConfig:
+    """The loss config the trainer actually uses: the ratio is forced on-policy when the prev pass is skipped."""
+    if on_policy_single_step(cfg) and not cfg.loss_fn.force_on_policy_ratio:
+        return cfg.loss_fn.model_copy(update={"force_on_policy_ratio": True})
+    return cfg.loss_fn
 
 
 def resolve_logprob_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
@@ -25,9 +48,10 @@ def resolve_logprob_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
 
     Prev logprobs are only skippable when the ratio is forced to 1 and no logprob-error threshold needs them.
     """
-    loss = cfg.loss_fn
-    skip_prev = loss.force_on_policy_ratio and cfg.grpo.seq_logprob_error_threshold is None
-    if loss.force_on_policy_ratio and cfg.grpo.seq_logprob_error_threshold is not None:
+    loss = effective_loss_config(cfg)
+    threshold = cfg.rollout.seq_logprob_error_threshold
+    skip_prev = loss.force_on_policy_ratio and threshold is None
+    if loss.force_on_policy_ratio and threshold is not None:
         warnings.warn(
             "force_on_policy_ratio with seq_logprob_error_threshold: prev logprobs are still computed",
             stacklevel=2,
@@ -47,30 +71,36 @@ def first_assistant_lengths(message_logs: list[MessageLog]) -> torch.Tensor:
 
 
 def post_process_rewards(
-    rewards: torch.Tensor, truncated: torch.Tensor, message_logs: list[MessageLog], cfg: MasterConfig
+    rewards: torch.Tensor,
+    truncated: torch.Tensor,
+    response_lengths: Callable[[], torch.Tensor],
+    cfg: MasterConfig,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reward scaling, then shaping (§ order of the reference). Returns (rewards, unshaped copy or None)."""
-    rewards = scale_rewards(rewards, cfg.grpo.reward_scaling)
-    if not cfg.grpo.reward_shaping.enabled:
+    """Reward scaling, then shaping (the reference's order). Returns (rewards, unshaped copy or None).
+
+    `response_lengths` is called only when shaping needs the first assistant turn's length of every row.
+    """
+    r = cfg.rollout
+    rewards = scale_rewards(rewards, r.reward_scaling)
+    if not r.reward_shaping.enabled:
         return rewards, None
-    lengths = first_assistant_lengths(message_logs)
-    return apply_reward_shaping(rewards, cfg.grpo.reward_shaping, lengths, truncated)
+    return apply_reward_shaping(rewards, r.reward_shaping, response_lengths(), truncated)
 
 
 def should_validate(total_steps_done: int, cfg: MasterConfig, is_last_step: bool) -> bool:
-    g = cfg.grpo
+    g = cfg.rollout
     periodic = g.val_period > 0 and total_steps_done >= g.val_start_at and total_steps_done % g.val_period == 0
     return periodic or (g.val_at_end and is_last_step)
 
 
 def early_stop_reached(val_metrics: dict[str, Any], cfg: MasterConfig) -> bool:
     """True when the configured validation metric reached its threshold."""
-    name = cfg.grpo.stop_at_validation_metric
+    name = cfg.rollout.stop_at_validation_metric
     if name is None:
         return False
     if name not in val_metrics:
         raise KeyError(f"grpo.stop_at_validation_metric {name!r} is not a validation metric ({sorted(val_metrics)})")
-    threshold = cfg.grpo.stop_at_validation_threshold
+    threshold = cfg.rollout.stop_at_validation_threshold
     assert threshold is not None  # enforced by MasterConfig
     return float(val_metrics[name]) >= threshold
 
@@ -171,7 +201,7 @@ class StepTail:
             is_last or stop_early or out_of_time or step % cfg.checkpointing.save_period == 0
         ):
             with timer.time("checkpointing"):
-                state.val_reward = val_metrics["accuracy"] if val_metrics else None
+                state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None
                 save_checkpoint(
                     checkpointer=self.checkpointer,
                     policy=self.policy,

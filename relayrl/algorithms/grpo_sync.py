@@ -11,6 +11,7 @@ and log identical metrics. What differs is only where data lives:
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -139,7 +140,10 @@ def grpo_train_sync(
             # ---- rewards: scaling/shaping, then per-prompt baseline and std (on the carry only) ----
             with timer.time("reward_calculation"):
                 rewards, unshaped = post_process_rewards(
-                    carry["total_reward"], carry["truncated"], lambda c=carry: c["response_token_lengths"], cfg
+                    carry["total_reward"],
+                    carry["truncated"],
+                    functools.partial(carry.__getitem__, "response_token_lengths"),
+                    cfg,
                 )
                 carry["total_reward"] = rewards
                 baseline, std = calculate_baseline_and_std_per_prompt(

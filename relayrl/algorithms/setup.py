@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from relayrl.algorithms.grpo_common import effective_loss_config
 from relayrl.config import MasterConfig
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState, load_save_state
 from relayrl.utils.config_io import dump_config
@@ -106,7 +107,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         seed=cfg.grpo.seed,
     )
     task_to_env = build_environments(cfg)
-    loss_fn = ClippedPGLossFn(cfg.loss_fn)
+    loss_fn = ClippedPGLossFn(effective_loss_config(cfg))
 
     total_steps = cfg.grpo.max_num_steps
     logger = Logger(cfg.logger, run_dir, total_steps=total_steps, start_step=save_state.total_steps)

@@ -318,3 +318,34 @@ def aggregate_rollout_metrics(metric_dicts: Sequence[dict[str, Any]]) -> dict[st
         else:
             out[k] = sum(vs) / len(vs)
     return out
+
+
+def trim_to_last_loss_token(
+    flat: BatchedDataDict,
+    lengths: torch.Tensor,
+    pad_value_dict: dict[str, float],
+    make_sequence_length_divisible_by: int = 1,
+) -> tuple[BatchedDataDict, torch.Tensor]:
+    """Cut every row right after its last loss token (rows without one keep their length), then re-pad.
+
+    Tokens after a row's last loss token cannot change any loss, logprob or advantage of the loss tokens (attention
+    is causal and they carry no loss), yet the reference keeps the final environment observation in the training
+    sequence: here it is dropped before the logprob and training passes, which saves a quarter of their work on short
+    answers. Returns (trimmed batch, new lengths [B]).
+    """
+    mask = flat["token_loss_mask"]  # [B, S]
+    positions = torch.arange(mask.shape[1])  # [S]
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values if mask.numel() else torch.zeros(0)  # [B]
+    new_lengths = torch.where(last >= 0, last + 1, lengths).to(lengths.dtype)  # [B]
+    longest = int(new_lengths.max()) if new_lengths.numel() else 0
+    m = make_sequence_length_divisible_by
+    width = -(-longest // m) * m
+    keep = positions[:width].unsqueeze(0) < new_lengths.unsqueeze(1)  # [B, W]
+    out: BatchedDataDict = BatchedDataDict()
+    for k, v in flat.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 2:
+            pad = pad_value_dict.get(k, FLAT_KEYS.get(k, 0))
+            out[k] = torch.where(keep, v[:, :width], torch.full_like(v[:, :width], pad))  # [B, W]
+        else:
+            out[k] = v
+    return out, new_lengths

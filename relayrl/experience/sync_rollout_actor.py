@@ -43,6 +43,7 @@ from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
     run_multi_turn_rollout,
+    trim_to_last_loss_token,
 )
 
 #: Per-row values every rollout returns to the driver (scalars, plus prompt ids `[B, P]` to group rows by prompt).
@@ -75,8 +76,10 @@ def flatten_for_store(message_logs: Sequence[MessageLog], pad_id: int, multiple:
     so the caller's logs are left as they are): `input_ids`, `input_lengths`, `generation_logprobs`, `token_mask`."""
     logs = [[dict(m) for m in msgs] for msgs in message_logs]
     add_token_loss_masks(logs, only_generated=True)
-    flat, input_lengths = batched_message_log_to_flat_message(
-        logs, pad_value_dict={"token_ids": pad_id}, make_sequence_length_divisible_by=multiple
+    flat, input_lengths = trim_to_last_loss_token(
+        *batched_message_log_to_flat_message(logs, pad_value_dict={"token_ids": pad_id}),
+        pad_value_dict={"token_ids": pad_id},
+        make_sequence_length_divisible_by=multiple,
     )
     return {
         INPUT_IDS: flat["token_ids"],  # [B, S]

@@ -47,7 +47,7 @@ class GRPOSaveState:
     current_epoch: int = 0
     total_steps: int = 0
     total_valid_tokens: int = 0
-    val_reward: float = -99999999.0
+    val_reward: float | None = -99999999.0
     sampler_name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,8 +30,11 @@ COMPACT_WHEN_ALIVE_FRACTION = 0.75
 class ModelSource(Protocol):
     """What the engine reads weights from: the policy's live module and its optimizer-step counter."""
 
-    model: nn.Module
-    weights_version: int
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def weights_version(self) -> int: ...
 
 
 class HfGeneration(GenerationInterface):

@@ -110,15 +110,22 @@ def test_early_stop():
 
 
 def test_logprob_skip_flags():
-    assert resolve_logprob_skip_flags(MasterConfig()) == (False, False)
+    # default: one optimizer step per rollout batch -> the prev pass is skipped (ratio forced on-policy)
+    assert resolve_logprob_skip_flags(MasterConfig()) == (True, False)
+    off = MasterConfig.model_validate({"grpo": {"skip_prev_logprobs_when_on_policy": False}})
+    assert resolve_logprob_skip_flags(off) == (False, False)
+    two_steps = MasterConfig.model_validate({"policy": {"train_global_batch_size": 64, "train_micro_batch_size": 64}})
+    assert resolve_logprob_skip_flags(two_steps) == (False, False)
     cfg = MasterConfig.model_validate({"loss_fn": {"force_on_policy_ratio": True}})
     assert resolve_logprob_skip_flags(cfg) == (True, False)
     cfg = MasterConfig.model_validate(
         {"loss_fn": {"force_on_policy_ratio": True}, "grpo": {"seq_logprob_error_threshold": 2.0}}
-    )
+    )  # the threshold needs prev logprobs: computed despite the forced ratio
     with pytest.warns(UserWarning):
         assert resolve_logprob_skip_flags(cfg) == (False, False)
-    cfg = MasterConfig.model_validate({"loss_fn": {"reference_policy_kl_penalty": 0.0}})
+    cfg = MasterConfig.model_validate(
+        {"loss_fn": {"reference_policy_kl_penalty": 0.0}, "grpo": {"skip_prev_logprobs_when_on_policy": False}}
+    )
     assert resolve_logprob_skip_flags(cfg) == (False, True)
 
 
@@ -147,7 +154,7 @@ def test_first_assistant_lengths_and_shaping():
         }
     )
     shaped, unshaped = post_process_rewards(
-        torch.tensor([1.0, 0.8, 0.6, 0.4]), torch.zeros(4, dtype=torch.bool), logs, cfg
+        torch.tensor([1.0, 0.8, 0.6, 0.4]), torch.zeros(4, dtype=torch.bool), lambda: first_assistant_lengths(logs), cfg
     )
     assert torch.allclose(shaped, torch.tensor([1.0, 0.6, 0.1, -0.6]))
     assert unshaped is not None and torch.allclose(unshaped, torch.tensor([1.0, 0.8, 0.6, 0.4]))

@@ -371,3 +371,20 @@ def test_aggregate_rollout_metrics() -> None:
         "note": "b",
     }
     assert aggregate_rollout_metrics([]) == {}
+
+
+def test_trim_to_last_loss_token_cuts_trailing_non_loss_tokens():
+    from relayrl.distributed.batched_data_dict import BatchedDataDict
+    from relayrl.experience.rollouts import trim_to_last_loss_token
+
+    flat = BatchedDataDict(
+        token_ids=torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 0, 0, 0], [4, 4, 4, 4, 4, 4]]),
+        token_loss_mask=torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]),
+        generation_logprobs=torch.tensor([[0.0, -1.0, -2.0, 0.0, 0.0, 0.0]] * 3),
+    )
+    out, lengths = trim_to_last_loss_token(flat, torch.tensor([5, 3, 6]), pad_value_dict={"token_ids": 0})
+    assert lengths.tolist() == [3, 3, 6]  # a row without loss tokens keeps its length
+    assert out["token_ids"].tolist() == [[5, 6, 7, 0, 0, 0], [5, 6, 7, 0, 0, 0], [4, 4, 4, 4, 4, 4]]
+    out2, lengths2 = trim_to_last_loss_token(flat.select_indices([0, 1]), torch.tensor([5, 3]), {"token_ids": 0}, 4)
+    assert lengths2.tolist() == [3, 3] and out2["token_ids"].shape == (2, 4)
+    assert out2["generation_logprobs"][0].tolist() == [0.0, -1.0, -2.0, 0.0]

@@ -22,6 +22,7 @@ from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
     run_multi_turn_rollout,
+    trim_to_last_loss_token,
 )
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 from relayrl.models.generation.hf_generation import HfGeneration
@@ -152,8 +153,10 @@ def test_store_columns_equal_the_legacy_flatten_bit_for_bit(setup: SimpleNamespa
     )
     loss_multiplier = legacy["loss_multiplier"].clone().float()
     add_token_loss_masks(legacy["message_log"], only_generated=True)
-    flat, input_lengths = batched_message_log_to_flat_message(
-        legacy["message_log"], pad_value_dict={"token_ids": pad_id}, make_sequence_length_divisible_by=8
+    flat, input_lengths = trim_to_last_loss_token(  # exactly the legacy trainer's training tensors
+        *batched_message_log_to_flat_message(legacy["message_log"], pad_value_dict={"token_ids": pad_id}),
+        pad_value_dict={"token_ids": pad_id},
+        make_sequence_length_divisible_by=8,
     )
     want: BatchedDataDict[Any] = BatchedDataDict(
         input_ids=flat["token_ids"],
