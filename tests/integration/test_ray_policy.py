@@ -1,13 +1,18 @@
-"""Data-parallel policy training on the Ray executor (gloo) against one local worker with the same global batch.
+"""Data-parallel policy training on the Ray executor (gloo) against one local worker with the same global batch,
+then refit of the trained weights from the Ray ranks to generation-side models in this process.
 
-`RayPolicy` is `Policy` with the proposed two-line change to `lm_policy.py` applied: its workers are built by
-`build_worker_group`, so on `cluster.executor="ray"` each rank is an actor whose `PolicyWorker` talks to its peer
-through a `TorchDistCollective`. Everything else (sharding, reassembly, metric merging) is `Policy`'s own code.
+`RayPolicy` is `Policy` with the changes proposed for `lm_policy.py` applied: its workers are built by
+`build_worker_group`, so on `cluster.executor="ray"` each rank is an actor whose worker talks to its peer through a
+`TorchDistCollective`, and the refit methods start the workers' calls without waiting. `RefitPolicyWorker` is
+`PolicyWorker` plus the refit methods proposed for `worker.py`. Everything else (sharding, reassembly, metric
+merging, the compute) is the library's own code.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +23,12 @@ import torch
 
 from relayrl.algorithms.loss_functions import ClippedPGLossFn
 from relayrl.config import ClippedPGLossConfig, ClusterConfig, PolicyConfig
+from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.distributed.executor import build_worker_group, world_size
+from relayrl.distributed.executor import build_worker_group, run_all_async, world_size
 from relayrl.models.policy.lm_policy import Policy
-from relayrl.models.policy.worker import PolicyWorker
+from relayrl.models.policy.worker import PolicyWorker, load_causal_lm
+from relayrl.utils import device as dev
 
 ray = pytest.importorskip("ray")
 
@@ -30,6 +37,39 @@ pytestmark = pytest.mark.ray
 B, S = 8, 12
 LENGTHS = torch.tensor([12, 5, 7, 2, 12, 9, 3, 10])  # ragged, right-padded
 TOL = 1e-5
+
+
+class RefitPolicyWorker(PolicyWorker):
+    """`PolicyWorker` with the refit methods proposed for worker.py (same bodies)."""
+
+    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None) -> bool:
+        if kv_scales is not None:
+            raise ValueError("stream_weights_via_ipc_zmq: kv_scales must be None (send them with the collective refit)")
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        address = refit.ipc_address(refit.device_ipc_tag(self.device, local_rank))
+        dtype = dev.precision_dtype(self.cfg.precision)
+        refit.stream_weights_via_ipc_zmq(self.model.state_dict().items(), address, buffer_size_bytes, dtype=dtype)
+        return True
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
+        if not 0 <= self.rank < train_world_size < world_size:
+            raise ValueError(
+                f"init_collective: training rank {self.rank} needs 0 <= rank < train_world_size={train_world_size} "
+                f"< world_size={world_size}"
+            )
+        self._weight_group = refit.WeightUpdateGroup(ip, port, self.rank, world_size)
+        return True
+
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
+        if self.rank == 0:
+            dtype = dev.precision_dtype(self.cfg.precision)
+            group.send_weights(self.model.state_dict().items(), dtype=dtype, kv_scales=kv_scales)
+        else:  # a data-parallel replica already holds these weights: receive and drop
+            group.receive_weights(self.prepare_refit_info(), None)
+        return True
 
 
 class RayPolicy(Policy):
@@ -42,7 +82,7 @@ class RayPolicy(Policy):
         self.has_reference = True
         self.dp_size = world_size(cluster)
         self._group = build_worker_group(
-            PolicyWorker,
+            RefitPolicyWorker,
             cluster,
             config=config,
             tokenizer=tokenizer,
@@ -53,6 +93,17 @@ class RayPolicy(Policy):
             optimizer_path=None,
             max_num_steps=None,
         )
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
+        return [run_all_async(self._group, "init_collective", ip, port, world_size, train_world_size=train_world_size)]
+
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
+    ) -> list[Any]:
+        return [run_all_async(self._group, "stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales)]
+
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[Any]:
+        return [run_all_async(self._group, "broadcast_weights_for_collective", kv_scales)]
 
 
 def make_config(model_dir: Path) -> PolicyConfig:
@@ -93,11 +144,15 @@ def rl_batch(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
 
 
 def run(policy: Policy, vocab: int) -> dict[str, Any]:
-    """Two train() calls (each: two global batches of 4 rows) and the logprobs afterwards."""
+    """Two train() calls (each: two global batches of 4 rows) and the logprobs afterwards.
+
+    The second call uses micro-batches of 1, so each rank accumulates 2 micro-batches where the single worker
+    accumulates 4: the summation order differs and the comparison is not trivially bitwise.
+    """
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
     data = rl_batch(policy, make_batch(vocab))
     first = policy.train(data, loss_fn)
-    second = policy.train(rl_batch(policy, make_batch(vocab, seed=1)), loss_fn)
+    second = policy.train(rl_batch(policy, make_batch(vocab, seed=1)), loss_fn, mbs=1)
     return {
         "prev_logprobs": data["prev_logprobs"],
         "reference": data["reference_policy_logprobs"],
@@ -121,7 +176,59 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
-def test_two_ray_workers_match_one_local_worker(ray_cluster: None, tiny_model_dir: Path, char_tokenizer) -> None:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def assert_bit_identical(live: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    got = model.state_dict()
+    assert live.keys() == got.keys()
+    assert all(torch.equal(v, got[k]) for k, v in live.items())
+
+
+def check_refit(policy: RayPolicy, cfg: PolicyConfig) -> None:
+    """Both refit methods, from the Ray ranks to models in this process, after training: bit-identical weights."""
+    live = policy.state_dict_for_refit()
+    info = policy.prepare_refit_info()
+    assert info == refit.refit_info(live.items(), torch.float32)  # describes exactly the streamed tensors
+    # not colocated: this process is generation worker 2 of a weight-update group with training ranks 0 and 1
+    gen = load_causal_lm(cfg)
+    assert any(not torch.equal(v, gen.state_dict()[k]) for k, v in live.items())  # stale before the refit
+    port = free_port()
+    (joined,) = policy.init_collective("127.0.0.1", port, 3, train_world_size=2)
+    group = refit.WeightUpdateGroup("127.0.0.1", port, 2, 3, timeout_s=120)
+    assert joined.result() == [True, True]
+    kv = {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.1.self_attn.v_scale": 0.25}
+    (sent,) = policy.broadcast_weights_for_collective(kv)
+    assert group.receive_weights(info, refit.load_into_module(gen)) == kv
+    assert sent.result() == [True, True]
+    assert_bit_identical(live, gen)
+    # colocated: each training rank streams to "its" generation worker on the same device (here: host + local rank)
+    receivers = [load_causal_lm(cfg) for _ in range(2)]
+    results: dict[int, bool] = {}
+
+    def receive(r: int) -> None:
+        address = refit.ipc_address(refit.device_ipc_tag(torch.device("cpu"), r))
+        results[r] = refit.receive_weights_via_ipc_zmq(address, info, refit.load_into_module(receivers[r]))
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    (streamed,) = policy.stream_weights_via_ipc_zmq(64 << 10)  # 64 KiB buckets: several per rank
+    assert streamed.result() == [True, True]
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True}
+    for model in receivers:
+        assert_bit_identical(live, model)
+
+
+def test_two_ray_workers_match_one_local_worker(
+    ray_cluster: None, tiny_model_dir: Path, char_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))  # ZMQ IPC sockets private to this test
     vocab = len(char_tokenizer)
     cfg = make_config(tiny_model_dir)
     local = Policy(cfg, char_tokenizer, cluster=ClusterConfig(workers_per_node=1))
@@ -134,6 +241,7 @@ def test_two_ray_workers_match_one_local_worker(ray_cluster: None, tiny_model_di
     try:
         assert group.world_size == 2 and policy.dp_size == 2
         out = run(policy, vocab)
+        check_refit(policy, cfg)
     finally:
         policy.shutdown()
 
@@ -151,9 +259,6 @@ def test_two_ray_workers_match_one_local_worker(ray_cluster: None, tiny_model_di
     assert out["version"] == ref["version"] == 4
     assert ref["weights"].keys() == out["weights"].keys()
     worst = max(float((ref["weights"][k] - out["weights"][k]).abs().max()) for k in ref["weights"])
-    print(
-        f"max |dw|={worst:.3g} loss1={ref['results'][0]['loss'].tolist()} loss2={out['results'][0]['loss'].tolist()} gn={float(ref['results'][1]['grad_norm'])},{float(out['results'][1]['grad_norm'])} lp={float((out['logprobs'] - ref['logprobs']).abs().max()):.3g}"
-    )
     assert worst <= TOL, f"weights differ by {worst}"
     assert any(not torch.equal(ref["weights"][k], v) for k, v in PolicyWorker(cfg).model.state_dict().items())
     assert (out["logprobs"] - ref["logprobs"]).abs().max() <= TOL

@@ -18,6 +18,7 @@ import torch
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import ClusterConfig, PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.executor import build_worker_group, run_all_async
 from relayrl.distributed.interfaces import WorkerGroup
 from relayrl.distributed.local import LocalWorkerGroup
 from relayrl.models.policy.interfaces import ColocatablePolicyInterface
@@ -89,17 +90,13 @@ class Policy(ColocatablePolicyInterface):
     ) -> None:
         self.cfg = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         self.cluster = cluster if cluster is not None else ClusterConfig()
-        if self.cluster.executor != "local":
-            raise NotImplementedError(
-                f"cluster.executor={self.cluster.executor!r} is not available for the policy yet; use 'local'"
-            )
         dev.apply_runtime_settings(self.cluster.deterministic, self.cluster.torch_num_threads)
         self.tokenizer = tokenizer
         self.has_reference = init_reference_model
         self.dp_size = self.cluster.num_nodes * self.cluster.workers_per_node
-        self._group: WorkerGroup[PolicyWorker] = LocalWorkerGroup(
+        self._group: WorkerGroup[PolicyWorker] = build_worker_group(
             self.worker_cls,
-            self.dp_size,
+            self.cluster,
             config=self.cfg,
             tokenizer=tokenizer,
             device=self.cluster.device,
@@ -125,7 +122,9 @@ class Policy(ColocatablePolicyInterface):
     @property
     def device(self) -> torch.device:
         """The device rank 0 computes on (where a colocated engine should run)."""
-        return self.generation_source.device
+        if isinstance(self._group, LocalWorkerGroup):
+            return self.generation_source.device
+        return torch.device(self._group.run_rank0("get_device"))
 
     @property
     def weights_version(self) -> int:
@@ -259,21 +258,16 @@ class Policy(ColocatablePolicyInterface):
     def shutdown(self) -> bool:
         return self._group.shutdown()
 
-    # ------------------------------------------------------------------ separate generation workers (later)
+    # ------------------------------------------------------------------ separate generation workers
+    # Each returns at once with one future (`.result()` -> per-rank results) so that the driver can run the
+    # generation side's matching call concurrently (§5.8 / §5.9).
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
-        raise NotImplementedError(
-            "init_collective: the local executor shares weights with a colocated engine in-process; weight-update "
-            "collectives for separate generation workers are not implemented yet"
-        )
+        return [run_all_async(self._group, "init_collective", ip, port, world_size, train_world_size=train_world_size)]
 
-    def stream_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise NotImplementedError(
-            "stream_weights_via_ipc_zmq: the local executor needs no weight streaming (use generation_source); "
-            "ZMQ IPC refit for separate generation workers is not implemented yet"
-        )
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
+    ) -> list[Any]:
+        return [run_all_async(self._group, "stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales)]
 
     def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[Any]:
-        raise NotImplementedError(
-            "broadcast_weights_for_collective: collective refit for non-colocated generation workers is not "
-            "implemented yet; the local executor shares weights in-process (use generation_source)"
-        )
+        return [run_all_async(self._group, "broadcast_weights_for_collective", kv_scales)]

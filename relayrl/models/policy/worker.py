@@ -12,6 +12,7 @@ import contextlib
 import copy
 import itertools
 import math
+import os
 import re
 import threading
 from collections import defaultdict
@@ -24,6 +25,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from relayrl.config import PolicyConfig, SchedulerConfig
+from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
@@ -477,6 +479,9 @@ class PolicyWorker:
     def get_weights_version(self) -> int:
         return self.weights_version
 
+    def get_device(self) -> str:
+        return str(self.device)
+
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Copy saved weights into the live module in place (its identity, shared with a colocated engine, stays)."""
         saved = load_causal_lm(self.cfg, weights_path)
@@ -492,6 +497,39 @@ class PolicyWorker:
     def prepare_refit_info(self) -> dict[str, Any]:
         dtype = dev.precision_dtype(self.cfg.precision)  # streamed tensors are cast to the policy precision
         return {name: (tuple(t.shape), dtype) for name, t in self.model.state_dict().items()}
+
+    # ------------------------------------------------------------------ refit to separate generation workers
+    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None) -> bool:
+        """Stream this rank's weights (policy precision) to the generation worker on the same device."""
+        if kv_scales is not None:
+            raise ValueError("stream_weights_via_ipc_zmq: kv_scales must be None (send them with the collective refit)")
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        address = refit.ipc_address(refit.device_ipc_tag(self.device, local_rank))
+        dtype = dev.precision_dtype(self.cfg.precision)
+        refit.stream_weights_via_ipc_zmq(self.model.state_dict().items(), address, buffer_size_bytes, dtype=dtype)
+        return True
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
+        """Join the weight-update group: training ranks 0..train_world_size-1, generation workers after them."""
+        if not 0 <= self.rank < train_world_size < world_size:
+            raise ValueError(
+                f"init_collective: training rank {self.rank} needs 0 <= rank < train_world_size={train_world_size} "
+                f"< world_size={world_size}"
+            )
+        self._weight_group = refit.WeightUpdateGroup(ip, port, self.rank, world_size)
+        return True
+
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
+        """Rank 0 broadcasts its weights (and KV scales); the other training ranks take part and drop them."""
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
+        if self.rank == 0:
+            dtype = dev.precision_dtype(self.cfg.precision)
+            group.send_weights(self.model.state_dict().items(), dtype=dtype, kv_scales=kv_scales)
+        else:  # a data-parallel replica already holds these weights
+            group.receive_weights(self.prepare_refit_info(), None)
+        return True
 
     def save_checkpoint(
         self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None

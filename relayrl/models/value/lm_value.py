@@ -18,8 +18,8 @@ from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.value_loss import reduce_critic_metrics
 from relayrl.config import ClusterConfig, ValueConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.executor import build_worker_group
 from relayrl.distributed.interfaces import WorkerGroup
-from relayrl.distributed.local import LocalWorkerGroup
 from relayrl.models.policy.lm_policy import check_batch
 from relayrl.models.value.interfaces import ValueInterface
 from relayrl.models.value.worker import ValueWorker
@@ -72,16 +72,12 @@ class Value(ValueInterface):
     ) -> None:
         self.cfg = coerce_value_config(config)
         self.cluster = cluster if cluster is not None else ClusterConfig()
-        if self.cluster.executor != "local":
-            raise NotImplementedError(
-                f"cluster.executor={self.cluster.executor!r} is not available for the value model yet; use 'local'"
-            )
         dev.apply_runtime_settings(self.cluster.deterministic, self.cluster.torch_num_threads)
         self.tokenizer = tokenizer
         self.dp_size = self.cluster.num_nodes * self.cluster.workers_per_node
-        self._group: WorkerGroup[ValueWorker] = LocalWorkerGroup(
+        self._group: WorkerGroup[ValueWorker] = build_worker_group(
             ValueWorker,
-            self.dp_size,
+            self.cluster,
             config=self.cfg,
             tokenizer=tokenizer,
             device=self.cluster.device,

@@ -381,12 +381,15 @@ def test_colocation_surface_and_phases(tiny_model_dir, char_tokenizer, vocab, tm
     policy.offload_before_refit()
     policy.offload_after_refit()
     assert source.weights_version == policy.weights_version == 1 and policy.device.type in ("cpu", "cuda")
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        policy.init_collective("127.0.0.1", 1, 2, train_world_size=1)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        policy.stream_weights_via_ipc_zmq()
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        policy.broadcast_weights_for_collective()
+    (joined,) = policy.init_collective("127.0.0.1", 1, 2, train_world_size=2)  # no generation rank left
+    with pytest.raises(ValueError, match="train_world_size=2 < world_size=2"):
+        joined.result(timeout=60)
+    (streamed,) = policy.stream_weights_via_ipc_zmq(1 << 20, kv_scales={"k_scale": 1.0})
+    with pytest.raises(ValueError, match="kv_scales must be None"):
+        streamed.result(timeout=60)
+    (sent,) = policy.broadcast_weights_for_collective()
+    with pytest.raises(RuntimeError, match="call init_collective first"):
+        sent.result(timeout=60)
     assert policy.shutdown() is True and policy.shutdown() is True
 
 

@@ -1,0 +1,333 @@
+"""The Ray executor: one Ray actor per data-parallel rank, behind the same `WorkerGroup` API as the local one.
+
+Layout: a placement group with one bundle per rank (`{"CPU": cpus_per_worker, "GPU": gpus_per_worker}`, PACK)
+reserves the resources up front, so a group either starts whole or fails with a clear message instead of leaving
+half its ranks waiting. Each actor hosts exactly one worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`);
+the collective is a `TorchDistCollective` (gloo on CPU, nccl on CUDA) rendezvousing through the env vars the
+group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT).
+
+Failure model: a rank whose process dies (OOM kill, `ray.kill`, node loss) makes every call fail within seconds
+with `WorkerDiedError("rank r died ...")`; the survivors are usually blocked inside a collective waiting for the
+dead peer, so the whole group is torn down (a data-parallel group cannot continue without a rank). A Python error
+on one rank is re-raised as is; if the other ranks do not finish within `error_grace_s` they are stuck in a
+collective and the group is torn down too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import ray
+import ray.cloudpickle as cloudpickle
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from relayrl.config import ClusterConfig
+
+W = TypeVar("W")
+
+# Driver env vars forwarded to every rank (a joined cluster's workers do not inherit the driver's environment).
+_FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "RELAYRL_", "CUBLAS_", "NCCL_", "GLOO_", "TORCH_")
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank's process is gone; the message names the rank. The group is unusable afterwards."""
+
+
+def ensure_ray(cluster: ClusterConfig) -> bool:
+    """Join `cluster.ray_address` or start a local Ray sized for the group; True if this call started Ray.
+
+    A Ray that is already initialised is used as it is. A local start asks for max(4, ranks x cpus_per_worker)
+    CPUs (logical: Ray only uses them for placement) and no dashboard.
+    """
+    if ray.is_initialized():
+        return False
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address)
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written to the home directory
+    needed = cluster.num_nodes * cluster.workers_per_node * cluster.cpus_per_worker
+    ray.init(num_cpus=max(4, needed), include_dashboard=False)
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class _RankHost:
+    """Lives inside one actor process: owns that rank's collective and worker, and calls worker methods."""
+
+    def __init__(self, rank: int, world_size: int, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self._rank = rank
+        self._world_size = world_size
+        self._worker: Any = None
+        self._comm: Any = None
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this rank runs (to derive LOCAL_RANK / NODE_RANK) and a free port for a rendezvous."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "port": _free_port(),
+        }
+
+    def setup(self, env: dict[str, str], payload: bytes, num_threads: int | None, deterministic: bool) -> int:
+        """Join the process group and build the worker. The payload is unpickled only after the env is set."""
+        os.environ.update(env)
+        from relayrl.distributed.local import SingleProcessCollective
+        from relayrl.utils import device as dev
+
+        dev.apply_runtime_settings(deterministic, num_threads)
+        if self._world_size > 1:
+            from relayrl.distributed.torch_collective import TorchDistCollective
+
+            self._comm = TorchDistCollective(self._rank, self._world_size)
+        else:
+            self._comm = SingleProcessCollective()
+        worker_cls, kwargs = cloudpickle.loads(payload)
+        self._worker = worker_cls(rank=self._rank, comm=self._comm, **kwargs)
+        return os.getpid()
+
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fn = getattr(self._worker, method, None)
+        if not callable(fn):
+            raise AttributeError(f"{type(self._worker).__name__} has no method {method!r}")
+        return fn(*args, **kwargs)
+
+    def call_common(self, method: str, common: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = common
+        return self.call(method, args, kwargs)
+
+    def call_sharded(self, method: str, shard: Any, common: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = common
+        return self.call(method, (shard, *args), kwargs)
+
+    def teardown(self) -> bool:
+        """Let the worker release what it holds, then leave the process group."""
+        try:
+            close = getattr(self._worker, "shutdown", None)
+            if callable(close):
+                close()
+        finally:
+            self._worker = None
+            destroy = getattr(self._comm, "destroy", None)
+            if callable(destroy):
+                destroy()
+        return True
+
+
+class PendingCall:
+    """Results of a call already running on every rank; `wait()` collects them like `run_all` would."""
+
+    def __init__(self, group: RayWorkerGroup[Any], refs: list[tuple[int, Any]], what: str) -> None:
+        self._group = group
+        self._refs = refs
+        self._what = what
+
+    def wait(self) -> list[Any]:
+        """Results in rank order; same failure handling (dead rank named, stuck group torn down) as `run_all`."""
+        return self._group._gather(self._refs, self._what, self._group._call_timeout_s)
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """`concurrent.futures.Future`-style alias of `wait` (the group's own call timeout applies)."""
+        return self.wait()
+
+
+class RayWorkerGroup(Generic[W]):
+    """`num_nodes x workers_per_node` ranks, each a Ray actor hosting `worker_cls(rank=r, comm=..., **kwargs)`."""
+
+    def __init__(
+        self,
+        worker_cls: Callable[..., W],
+        cluster: ClusterConfig,
+        *,
+        name: str = "relayrl",
+        ready_timeout_s: float = 180.0,
+        error_grace_s: float = 10.0,
+        call_timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        **init_kwargs: Any,
+    ) -> None:
+        self._world = cluster.num_nodes * cluster.workers_per_node
+        self._name = name
+        self._error_grace_s = error_grace_s
+        self._call_timeout_s = call_timeout_s
+        self._poll_s = poll_s
+        self._closed = False
+        self._actors: list[Any] = []
+        self._pg: PlacementGroup | None = None
+        self.pids: list[int] = []  # one process per rank, in rank order
+        self.placement_group_id: str | None = None
+        self.started_ray = ensure_ray(cluster)
+        try:
+            self._start(worker_cls, cluster, ready_timeout_s, init_kwargs)
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self, worker_cls: Any, cluster: ClusterConfig, timeout: float, init_kwargs: dict[str, Any]) -> None:
+        bundle: dict[str, float] = {"CPU": float(cluster.cpus_per_worker)}
+        if cluster.gpus_per_worker > 0:
+            bundle["GPU"] = float(cluster.gpus_per_worker)
+        total = ray.cluster_resources()
+        for res, amount in bundle.items():
+            if total.get(res, 0.0) < amount * self._world:
+                raise ValueError(
+                    f"cluster: {self._world} workers x {amount:g} {res} need {amount * self._world:g} {res} but the "
+                    f"Ray cluster has {total.get(res, 0.0):g} in total"
+                )
+        self._pg = placement_group(
+            [dict(bundle) for _ in range(self._world)], strategy="PACK", name=f"{self._name}-pg-{uuid.uuid4().hex[:8]}"
+        )
+        self.placement_group_id = self._pg.id.hex()
+        try:
+            ray.get(self._pg.ready(), timeout=timeout)
+        except GetTimeoutError as exc:
+            raise TimeoutError(
+                f"placement group of {self._world} x {bundle} not ready after {timeout:g}s; Ray has "
+                f"{ray.available_resources()} available (other groups or actors may hold them)"
+            ) from exc
+        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+        actor_cls = ray.remote(_RankHost)
+        for r in range(self._world):
+            self._actors.append(
+                actor_cls.options(
+                    num_cpus=cluster.cpus_per_worker,
+                    num_gpus=cluster.gpus_per_worker,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=r
+                    ),
+                ).remote(r, self._world, {**env, "RANK": str(r), "WORLD_SIZE": str(self._world)})
+            )
+        infos = self._gather([(r, a.node_info.remote()) for r, a in enumerate(self._actors)], "start-up", timeout)
+        self.pids = [int(i["pid"]) for i in infos]
+        nodes = list(dict.fromkeys(i["node_id"] for i in infos))  # node order of first appearance
+        seen: dict[str, int] = {}
+        payload = ray.put(cloudpickle.dumps((worker_cls, init_kwargs)))
+        refs = []
+        for r, (actor, info) in enumerate(zip(self._actors, infos)):
+            local_rank = seen.get(info["node_id"], 0)
+            seen[info["node_id"]] = local_rank + 1
+            rank_env = {
+                "LOCAL_RANK": str(local_rank),
+                "NODE_RANK": str(nodes.index(info["node_id"])),
+                "MASTER_ADDR": str(infos[0]["ip"]),
+                "MASTER_PORT": str(infos[0]["port"]),
+            }
+            refs.append((r, actor.setup.remote(rank_env, payload, cluster.torch_num_threads, cluster.deterministic)))
+        self._gather(refs, "worker construction", None)
+
+    # ------------------------------------------------------------------ WorkerGroup protocol
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        actors = self._live_actors()
+        common = ray.put((args, kwargs))  # serialised once, not once per rank
+        refs = [(r, a.call_common.remote(method, common)) for r, a in enumerate(actors)]
+        return self._gather(refs, method, self._call_timeout_s)
+
+    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        actors = self._live_actors()
+        if len(shards) != len(actors):
+            raise ValueError(f"run_sharded got {len(shards)} shards for {len(actors)} workers")
+        common = ray.put((args, kwargs))
+        refs = [(r, a.call_sharded.remote(method, s, common)) for r, (a, s) in enumerate(zip(actors, shards))]
+        return self._gather(refs, method, self._call_timeout_s)
+
+    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `method` on every rank and return at once (e.g. to join a collective the driver also joins)."""
+        actors = self._live_actors()
+        common = ray.put((args, kwargs))
+        return PendingCall(self, [(r, a.call_common.remote(method, common)) for r, a in enumerate(actors)], method)
+
+    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        actor = self._live_actors()[0]
+        return self._gather([(0, actor.call.remote(method, args, kwargs))], method, self._call_timeout_s)[0]
+
+    def shutdown(self) -> bool:
+        self._teardown(graceful=True)
+        return True
+
+    def actor(self, rank: int) -> Any:
+        """The Ray actor handle hosting `rank` (for health checks and fault-injection tests)."""
+        return self._live_actors()[rank]
+
+    def __enter__(self) -> RayWorkerGroup[W]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _live_actors(self) -> list[Any]:
+        if self._closed:
+            raise RuntimeError("this worker group has been shut down (or lost a rank)")
+        return self._actors
+
+    def _gather(self, refs: list[tuple[int, Any]], what: str, timeout: float | None) -> list[Any]:
+        """Results in rank order; a dead rank or a stuck group ends the wait in bounded time."""
+        pending = {ref: r for r, ref in refs}
+        results: dict[int, Any] = {}
+        failure: BaseException | None = None
+        start = time.monotonic()
+        give_up = start + timeout if timeout is not None else None
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self._poll_s)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError as exc:
+                    self._teardown(graceful=False)
+                    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise WorkerDiedError(f"rank {rank} died during {what!r}: {reason}") from exc
+                except Exception as exc:  # noqa: BLE001 - a Python error on that rank, re-raised below
+                    if failure is None:
+                        failure = exc
+                        give_up = min(give_up or float("inf"), time.monotonic() + self._error_grace_s)
+            if pending and give_up is not None and time.monotonic() > give_up:
+                ranks = sorted(pending.values())
+                self._teardown(graceful=False)
+                if failure is not None:  # the others wait in a collective for the rank that failed
+                    raise failure
+                raise TimeoutError(f"ranks {ranks} did not finish {what!r} within {timeout:g}s; group torn down")
+        if failure is not None:
+            raise failure
+        return [results[r] for r in sorted(results)]
+
+    def _teardown(self, graceful: bool) -> None:
+        """Stop every actor and free the placement group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if graceful and self._actors:
+                ray.wait([a.teardown.remote() for a in self._actors], num_returns=len(self._actors), timeout=30)
+        finally:
+            for actor in self._actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001, S110 - already gone
+                    pass
+            self._actors = []
+            if self._pg is not None:
+                try:
+                    remove_placement_group(self._pg)
+                except Exception:  # noqa: BLE001, S110 - already removed
+                    pass
+                self._pg = None

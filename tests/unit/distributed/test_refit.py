@@ -1,0 +1,178 @@
+"""Weight refit transports: ZMQ IPC buckets and the gloo weight-update group deliver bit-identical weights."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from relayrl.algorithms.loss_functions import NLLLossFn
+from relayrl.config import PolicyConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.refit import (
+    WeightUpdateGroup,
+    ipc_address,
+    load_into_module,
+    receive_weights_via_ipc_zmq,
+    refit_info,
+    stream_weights_via_ipc_zmq,
+)
+from relayrl.models.policy.worker import PolicyWorker, load_causal_lm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            out["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    return t, out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir: Path, char_tokenizer) -> tuple[PolicyWorker, PolicyConfig]:
+    """A policy worker after one optimizer step, so its weights differ from the checkpoint on disk."""
+    cfg = PolicyConfig.model_validate(
+        dict(model_name=str(tiny_model_dir), train_global_batch_size=4, train_micro_batch_size=2)
+    )
+    worker = PolicyWorker(cfg, char_tokenizer, init_reference_model=False)
+    g = torch.Generator().manual_seed(0)
+    data = BatchedDataDict(
+        input_ids=torch.randint(2, len(char_tokenizer), (4, 10), generator=g),
+        input_lengths=torch.tensor([10, 7, 4, 9]),
+        token_mask=torch.ones(4, 10),
+        sample_mask=torch.ones(4),
+    )
+    worker.train(data, NLLLossFn(), False, 4, 2)
+    return worker, cfg
+
+
+def receiver_model(cfg: PolicyConfig) -> torch.nn.Module:
+    """The generation side's copy: the checkpoint on disk (stale: before the training step)."""
+    return load_causal_lm(cfg)
+
+
+def assert_bit_identical(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    mine, theirs = src.state_dict(), dst.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+@pytest.mark.parametrize("buffer_size", [4096, 64 << 20])  # many buckets (+ oversize tensors alone) / one bucket
+def test_zmq_ipc_refit_is_bit_identical(trained, tmp_path, buffer_size: int) -> None:
+    worker, cfg = trained
+    dst = receiver_model(cfg)
+    assert any(not torch.equal(v, dst.state_dict()[k]) for k, v in worker.model.state_dict().items())
+    info = worker.prepare_refit_info()
+    streamed = list(worker.model.state_dict().items())
+    assert info == refit_info(streamed, torch.float32)  # the manifest describes exactly the streamed tensors
+    address = ipc_address(f"cpu-{uuid.uuid4().hex[:6]}", str(tmp_path))
+    t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, info, load_into_module(dst), timeout_ms=30_000))
+    stats = stream_weights_via_ipc_zmq(streamed, address, buffer_size, dtype=torch.float32, timeout_ms=30_000)
+    t.join(30)
+    assert got == {"value": True}
+    assert_bit_identical(worker.model, dst)
+    total = sum(v.numel() * 4 for v in worker.model.state_dict().values())
+    assert stats["bytes"] >= total
+    assert (stats["buckets"] > len(streamed) // 2) if buffer_size == 4096 else (stats["buckets"] == 1)
+
+
+def test_zmq_ipc_casts_to_the_manifest_dtype_and_reports_failures(tmp_path) -> None:
+    g = torch.Generator().manual_seed(1)
+    tensors = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g)), ("c", torch.randn(300))]
+    info = refit_info(tensors, torch.bfloat16)
+    received: dict[str, torch.Tensor] = {}
+
+    def collect(batch: list[tuple[str, torch.Tensor]]) -> None:
+        received.update({n: t.clone() for n, t in batch})
+
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, info, collect, timeout_ms=30_000))
+    stream_weights_via_ipc_zmq(tensors, address, 1024, dtype=torch.bfloat16, timeout_ms=30_000)
+    t.join(30)
+    assert got == {"value": True}
+    for name, tensor in tensors:
+        assert received[name].dtype == torch.bfloat16 and torch.equal(received[name], tensor.to(torch.bfloat16))
+    # a receiver whose manifest lacks a tensor refuses the bucket: it returns False, the sender raises
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    partial = {k: v for k, v in info.items() if k != "b"}
+    t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, partial, collect, timeout_ms=30_000))
+    with pytest.raises(RuntimeError, match="unexpected or repeated tensor 'b'"):
+        stream_weights_via_ipc_zmq(tensors, address, 1024, dtype=torch.bfloat16, timeout_ms=30_000)
+    t.join(30)
+    assert got == {"value": False}
+    with pytest.raises(ValueError, match="buffer_size_bytes must be at least 1024"):
+        stream_weights_via_ipc_zmq(tensors, address, 100)
+
+
+def test_collective_refit_to_replica_and_generation_worker(trained) -> None:
+    worker, cfg = trained
+    dst = receiver_model(cfg)
+    info = worker.prepare_refit_info()
+    port, world = free_port(), 3  # rank 0: training source, rank 1: training replica, rank 2: generation
+    kv = {"model.layers.0.self_attn.k_scale": 0.0123, "model.layers.0.self_attn.v_scale": 1 / 3}
+
+    def rank(r: int) -> Any:
+        group = WeightUpdateGroup("127.0.0.1", port, r, world, timeout_s=60)
+        out = []
+        for bucket_bytes, scales in ((50_000, kv), (1 << 30, None)):  # two refits reuse the group
+            if r == 0:
+                out.append(
+                    group.send_weights(worker.model.state_dict().items(), bucket_bytes=bucket_bytes, kv_scales=scales)
+                )
+            else:
+                out.append(group.receive_weights(info, load_into_module(dst) if r == 2 else None))
+        return out
+
+    threads = [in_thread(lambda r=r: rank(r)) for r in range(world)]
+    for t, _ in threads:
+        t.join(120)
+    (_, src), (_, replica), (_, gen) = threads
+    assert "error" not in src and "error" not in replica and "error" not in gen, (src, replica, gen)
+    assert src["value"][0]["buckets"] > 1 and src["value"][1]["buckets"] == 1
+    assert replica["value"] == gen["value"] == [kv, None]  # KV scales arrive exactly (JSON float round trip)
+    assert_bit_identical(worker.model, dst)
+
+
+def test_collective_detects_a_mismatched_manifest_without_hanging() -> None:
+    g = torch.Generator().manual_seed(2)
+    tensors = [("w", torch.randn(3, 3, generator=g)), ("h", torch.randn(5, dtype=torch.float64, generator=g))]
+    port = free_port()
+
+    def rank(r: int) -> Any:
+        group = WeightUpdateGroup("127.0.0.1", port, r, 2, timeout_s=60)
+        if r == 0:
+            group.send_weights(tensors)
+            return group.send_weights(tensors)
+        wrong = {"w": ((3, 3), torch.float32), "h": ((5,), torch.float32)}
+        with pytest.raises(ValueError, match="differ from the manifest"):
+            group.receive_weights(wrong, None)
+        got: dict[str, torch.Tensor] = {}
+        group.receive_weights(refit_info(tensors), lambda b: got.update({n: t.clone() for n, t in b}))
+        return got
+
+    (t0, out0), (t1, out1) = in_thread(lambda: rank(0)), in_thread(lambda: rank(1))
+    t0.join(60)
+    t1.join(60)
+    assert "error" not in out0 and "error" not in out1, (out0, out1)
+    assert all(torch.equal(out1["value"][n], t) for n, t in tensors)  # misaligned float64 slice cloned correctly
+    with pytest.raises(ValueError, match="rank 2 is not in a world of size 2"):
+        WeightUpdateGroup("127.0.0.1", port, 2, 2)
