@@ -323,8 +323,9 @@ class ClusterConfig(Strict):
     cpus_per_worker: PositiveInt = 1
     gpus_per_worker: NonNegFloat = 0.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    torch_num_threads: PositiveInt | None = None
-    """None leaves torch's default."""
+    torch_num_threads: PositiveInt | None = 1
+    """Intra-op threads per worker. 1 by default: small models gain little from more, and on a busy machine
+    spinning OpenMP threads make a step several times slower. None leaves torch's default (all cores)."""
     ray_address: str | None = None
     deterministic: bool = False
     """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
