@@ -332,7 +332,9 @@ class ClusterConfig(Strict):
 
 
 class DataPlaneConfig(Strict):
-    enabled: bool = False
+    enabled: bool = True
+    """Rollout tensors live in a sample-keyed store (grpo_train_sync); false runs the legacy in-memory trainer.
+    Both log identical metrics (`relayrl parity`)."""
     backend: Literal["memory", "ray", "transfer_queue"] = "memory"
     storage_capacity: PositiveInt = 1_000_000
     """Maximum samples held across partitions; exceeding it is an error, never silent growth."""

@@ -124,6 +124,8 @@ def grpo_train_sync(
                 policy_generation.prepare_for_generation()
             with timer.time("generation"):
                 if pending_meta is None:
+                    # a new training step: byte counters start here (validation traffic is not the step's)
+                    policy.data_plane_metrics(reset=True, extra=[rollout_actor.data_plane_metrics(reset=True)])
                     policy.prepare_step(num_samples=target, group_size=g.num_generations_per_prompt)
                 meta, carry, rollout_metrics, _ = rollout_actor.rollout_to_tq(
                     repeated,

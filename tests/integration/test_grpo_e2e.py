@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from relayrl.cli.main import main
 
 
@@ -31,9 +33,11 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_three_grpo_steps_then_resume_plot_evaluate(tmp_path, tiny_model_dir, capsys):
+@pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
+def test_three_grpo_steps_then_resume_plot_evaluate(tmp_path, tiny_model_dir, capsys, data_plane):
     run_dir = tmp_path / "run"
-    assert main(["train", "--run-dir", str(run_dir), *_tiny_overrides(tiny_model_dir, 3)]) == 0
+    dp = [f"data_plane.enabled={data_plane}"]
+    assert main(["train", "--run-dir", str(run_dir), *_tiny_overrides(tiny_model_dir, 3), *dp]) == 0
     rows = _metrics(run_dir)
     train_steps = sorted({r["step"] for r in rows if "train/loss" in r})
     assert train_steps == [1, 2, 3]
@@ -50,7 +54,7 @@ def test_three_grpo_steps_then_resume_plot_evaluate(tmp_path, tiny_model_dir, ca
     assert (run_dir / "checkpoints" / "step_3" / "policy" / "weights" / "config.json").is_file()
 
     # Resume in the same run directory with a higher step budget: continues at step 4.
-    assert main(["train", "--run-dir", str(run_dir), *_tiny_overrides(tiny_model_dir, 4)]) == 0
+    assert main(["train", "--run-dir", str(run_dir), *_tiny_overrides(tiny_model_dir, 4), *dp]) == 0
     steps_after = sorted({r["step"] for r in _metrics(run_dir) if "train/loss" in r})
     assert steps_after == [1, 2, 3, 4]
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from relayrl.cli.main import main
 
 STEPS = 4
@@ -43,22 +45,28 @@ def _train_metrics(run_dir: Path) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        keep = {k: v for k, v in row.items() if k.startswith(("train/", "validation/")) and "per_sec" not in k}
+        keep = {
+            k: v
+            for k, v in row.items()
+            if k.startswith(("train/", "validation/")) and not any(x in k for x in ("per_sec", "bytes", "fraction"))
+        }
         if keep:
             out.setdefault(row["step"], {}).update(keep)
     return out
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir, data_plane):
+    overrides = [*_overrides(tiny_model_dir), f"data_plane.enabled={data_plane}"]
     ref_dir = tmp_path / "uninterrupted"
-    assert main(["train", "--run-dir", str(ref_dir), *_overrides(tiny_model_dir)]) == 0
+    assert main(["train", "--run-dir", str(ref_dir), *overrides]) == 0
     reference = _train_metrics(ref_dir)
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     run_dir = tmp_path / "killed"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *_overrides(tiny_model_dir)],
+        [sys.executable, "-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -72,7 +80,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
     proc.wait(timeout=30)
     assert not (run_dir / "checkpoints" / f"step_{STEPS}").exists()
 
-    assert main(["train", "--run-dir", str(run_dir), *_overrides(tiny_model_dir)]) == 0
+    assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
     resumed = _train_metrics(run_dir)
     for step in range(3, STEPS + 1):
         assert resumed[step] == reference[step], f"step {step} differs after resume"
