@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Idle OpenMP threads sleep instead of spinning: with several threads on a shared machine, spinning turns a
+    # second of work into several (must be set before torch is imported).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = _parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
