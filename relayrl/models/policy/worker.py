@@ -30,6 +30,7 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.models.policy import logprobs as lp_ops
+from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
 
@@ -190,18 +191,12 @@ class PolicyWorker:
         return self.cfg.logprob_chunk_size or lp_ops.auto_chunk_size(rows, vocab)
 
     def _hidden(self, model: PreTrainedModel, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, S, H] of the backbone; attention limited to each row's real tokens."""
-        batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device)  # [S]
-        # Position 0 is always attended so an empty row cannot produce an all-masked (NaN) attention row.
-        attention_mask = (positions[None, :] < input_lengths.clamp(min=1)[:, None]).long()  # [B, S]
-        out = model.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions.expand(batch, seq),
-            use_cache=False,
-        )
-        return out.last_hidden_state  # [B, S, H]
+        """Final hidden states [B, S, H] of the backbone; attention limited to each row's real tokens.
+
+        Llama-family models take the packed fast path (positions at or past a row's length come back as zeros);
+        others, and models with hooks (FP8 calibration), go through HF's forward.
+        """
+        return backbone_hidden_states(model, input_ids, input_lengths)
 
     def _next_token_logprobs(
         self, model: PreTrainedModel, mb: BatchedDataDict, *, filtered: bool, return_unfiltered: bool = False

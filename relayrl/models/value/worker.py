@@ -32,6 +32,7 @@ from transformers import (
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
+from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.models.policy.worker import _LOAD_LOCK, OPTIMIZER_FILE, lr_factor
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
@@ -54,16 +55,7 @@ class ValueModel(nn.Module):
 
     def head_output(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
         """Raw head output [B, S] (float32): position t summarises tokens <= t."""
-        batch, seq = input_ids.shape
-        positions = torch.arange(seq, device=input_ids.device)  # [S]
-        # Position 0 is always attended so an empty row cannot produce an all-masked (NaN) attention row.
-        attention_mask = (positions[None, :] < input_lengths.clamp(min=1)[:, None]).long()  # [B, S]
-        hidden = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions.expand(batch, seq),
-            use_cache=False,
-        ).last_hidden_state  # [B, S, H]
+        hidden = backbone_hidden_states(self.model, input_ids, input_lengths)  # [B, S, H]; zeros past a row's end
         return self.score(hidden).squeeze(-1).float()  # [B, S]
 
     def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:

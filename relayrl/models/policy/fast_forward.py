@@ -1,0 +1,254 @@
+"""Full-sequence backbone forward for llama-family policies that skips the padding of right-padded batches.
+
+The log-prob, reference and training passes only need the final hidden states of every *real* token. At the
+bench shape (32 rows x ~75 tokens, hidden 128) these passes are bound by matmul FLOPs, not by HF's per-call Python
+overhead (about 2 ms of a 60 ms pass), so the saving has to come from doing less arithmetic. `backbone_hidden_states`
+runs the model's own parameter tensors (autograd flows into the HF module's parameters; nothing is copied or
+cached) through the same ops and dtypes as the HF modules, with two changes that leave every real token's result
+unchanged:
+
+* Packing: embeddings, norms, projections, RoPE and the MLP run on the N real tokens only ([N, H] instead of
+  [B, S, H]); only attention sees the padded [B, heads, S, D] layout.
+* Masking: rows are right-padded, so a plain causal mask already keeps every real query off the padding keys;
+  attention runs with `is_causal=True` and no mask tensor. Pad queries attend to padding, but their outputs are
+  dropped when repacking.
+
+Positions at or past a row's length come back as zeros (HF would return values nobody reads). A row of length 0 is
+treated as length 1, as the HF path's attention mask does. Models the fast path cannot reproduce exactly, module
+hooks (e.g. FP8 calibration), and attention dropout while training go through HF's forward instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from relayrl.models.generation.fast_decoder import (
+    FAST_MODEL_TYPES,
+    STATIC_ROPE_TYPES,
+    _Layer,
+    _read_layer,
+    _rms,
+    _rope,
+)
+
+
+def backbone_of(model: nn.Module) -> Any:
+    """The transformer stack: `model.model` for a causal LM, the module itself for a bare backbone."""
+    return model if hasattr(model, "layers") else getattr(model, "model", None)
+
+
+def fast_forward_unsupported(model: nn.Module) -> str | None:
+    """None when the fast path reproduces `model`'s backbone forward exactly right now, else the reason it cannot.
+
+    Mirrors `fast_path_unsupported` (generation) minus the LM head, plus what only matters for full-sequence and
+    training passes: embedding options, module hooks and attention dropout in training mode.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAST_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {sorted(FAST_MODEL_TYPES)}"
+    base = backbone_of(model)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected module layout (needs embed_tokens/layers/norm/rotary_emb)"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (only silu)"
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} depends on sequence length"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "sliding_window", None) is not None and (
+        model_type == "mistral" or "sliding_attention" in layer_types
+    ):
+        return "sliding-window attention"
+    embed = base.embed_tokens
+    if type(embed) is not nn.Embedding or embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        return "embed_tokens is not a plain nn.Embedding"
+    linears = []
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if any(type(m) is not nn.Linear for m in linears):
+        return "projections are not plain nn.Linear (adapters or quantisation)"
+    if any(type(p.data) is not torch.Tensor for p in base.parameters()):
+        return "parameters are not plain tensors (sharded or quantised)"
+    if base.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0.0:
+        return "attention dropout in training mode"
+    if _has_hooks(base):
+        return "module hooks are registered (they would not fire)"
+    return None
+
+
+#: HF's own forward hook on the input embeddings (set by activation checkpointing): the fast path reproduces it.
+INPUT_GRADS_HOOK = "make_inputs_require_grads"
+
+
+def _has_hooks(base: nn.Module) -> bool:
+    """Whether any hook would run in HF's forward, other than HF's input-grads hook on the embeddings."""
+    from torch.nn.modules import module as module_lib
+
+    globals_ = (
+        module_lib._global_forward_hooks,
+        module_lib._global_forward_pre_hooks,
+        module_lib._global_backward_hooks,
+        module_lib._global_backward_pre_hooks,
+    )
+    if any(globals_):
+        return True
+    for m in base.modules():
+        forward_hooks = list(m._forward_hooks.values())
+        if m is base.embed_tokens:
+            forward_hooks = [h for h in forward_hooks if getattr(h, "__name__", None) != INPUT_GRADS_HOOK]
+        if forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return False
+
+
+def _input_grads_hooked(embed: nn.Module) -> bool:
+    return any(getattr(h, "__name__", None) == INPUT_GRADS_HOOK for h in embed._forward_hooks.values())
+
+
+def backbone_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, fast: bool | None = None
+) -> torch.Tensor:
+    """Final hidden states [B, S, H] of right-padded rows (after the final norm); fast path when it is exact.
+
+    `fast`: None picks the fast path whenever `fast_forward_unsupported` allows it, False forces HF, True raises
+    when the fast path is unavailable. Values at positions >= a row's length are unspecified (zero when fast).
+    """
+    reason = None if fast is False else fast_forward_unsupported(model)
+    if fast is True and reason is not None:
+        raise ValueError(f"fast=True but the fast backbone forward cannot run: {reason}")
+    if fast is False or reason is not None:
+        return hf_hidden_states(model, input_ids, input_lengths)
+    return fast_hidden_states(model, input_ids, input_lengths)
+
+
+def hf_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """HF's own forward: attention limited to each row's real tokens, position ids = arange per row."""
+    batch, seq = input_ids.shape
+    positions = torch.arange(seq, device=input_ids.device)  # [S]
+    # Position 0 is always attended so an empty row cannot produce an all-masked (NaN) attention row.
+    lengths = input_lengths.to(input_ids.device).clamp(min=1)
+    attention_mask = (positions[None, :] < lengths[:, None]).long()  # [B, S]
+    base: Any = model.base_model
+    out = base(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.expand(batch, seq), use_cache=False
+    )
+    return out.last_hidden_state  # [B, S, H]
+
+
+class _Packing:
+    """Where the N real tokens of a right-padded [B, S] batch sit, to move tensors between [N, ...] and [B, S, ...]."""
+
+    def __init__(self, input_lengths: torch.Tensor, batch: int, seq: int, device: torch.device) -> None:
+        self.batch, self.seq = batch, seq
+        lengths = input_lengths.to(device).clamp(1, seq)  # [B]
+        cols = torch.arange(seq, device=device)  # [S]
+        valid = cols[None, :] < lengths[:, None]  # [B, S]
+        self.index: torch.Tensor | None = None  # [N] flat b*S+t of the real tokens; None when nothing is padding
+        if bool(valid.all()):
+            self.positions = cols.repeat(batch)  # [N] position id of each packed token
+        else:
+            self.index = valid.view(-1).nonzero().squeeze(1)
+            self.positions = self.index % seq
+        self.num_tokens = int(self.positions.shape[0])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] -> [N, ...]."""
+        flat = x.reshape(self.batch * self.seq, *x.shape[2:])
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, S, ...] with zeros at padding."""
+        if self.index is not None:
+            x = x.new_zeros(self.batch * self.seq, *x.shape[1:]).index_copy(0, self.index, x)
+        return x.view(self.batch, self.seq, *x.shape[1:])
+
+
+class _Backbone:
+    """One pass's view of the model: its parameter tensors by role and the attention geometry."""
+
+    def __init__(self, base: Any) -> None:
+        attn0 = base.layers[0].self_attn
+        embed = base.embed_tokens
+        self.embed, self.padding_idx = embed.weight, embed.padding_idx  # [V, H]; padding_idx: no gradient
+        self.input_requires_grad = _input_grads_hooked(embed)
+        self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
+        self.rotary = base.rotary_emb
+        self.head_dim = int(attn0.head_dim)
+        self.n_heads = attn0.q_proj.out_features // self.head_dim
+        self.n_kv = attn0.k_proj.out_features // self.head_dim
+        self.group = self.n_heads // self.n_kv
+        self.scaling = float(attn0.scaling)
+        modules = list(base.layers[: base.config.num_hidden_layers])
+        self.layers = [_read_layer(m) for m in modules]
+        # HF checkpoints a decoder layer exactly when its flag is set and it is in training mode, through the
+        # function activation checkpointing installed (it carries use_reentrant and CPU offload).
+        self.checkpoint_fns: list[Callable[..., Any] | None] = [
+            getattr(m, "_gradient_checkpointing_func", _checkpoint)
+            if getattr(m, "gradient_checkpointing", False) and m.training
+            else None
+            for m in modules
+        ]
+
+    def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        pk = _Packing(input_lengths, batch, seq, input_ids.device)
+        grad = torch.is_grad_enabled()
+        h = F.embedding(pk.pack(input_ids), self.embed, self.padding_idx)  # [N, H]
+        if self.input_requires_grad and grad:
+            h.requires_grad_(True)  # what HF's hook does to the embedding output (frozen embeddings still backprop)
+        cos, sin = self.rotary(h, torch.arange(seq, device=h.device).unsqueeze(0))  # [1, S, D], dtype of h
+        half = self.head_dim // 2
+        signed_sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [S, D]: rotate_half's sign folded
+        cos_n = cos[0].index_select(0, pk.positions).unsqueeze(1)  # [N, 1, D]
+        sin_n = signed_sin.index_select(0, pk.positions).unsqueeze(1)  # [N, 1, D]
+        for layer, ckpt in zip(self.layers, self.checkpoint_fns):
+            if ckpt is not None and grad:
+                h = ckpt(self._layer, h, layer, cos_n, sin_n, pk)
+            else:
+                h = self._layer(h, layer, cos_n, sin_n, pk)
+        return pk.unpack(_rms(h, self.final_norm, self.final_eps))  # [B, S, H]
+
+    def _layer(
+        self, h: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor, pk: _Packing
+    ) -> torch.Tensor:
+        """One decoder layer on packed tokens h [N, H]: pre-norm attention and SwiGLU MLP, each with a residual."""
+        n, d = pk.num_tokens, self.head_dim
+        x = _rms(h, layer.in_norm, layer.in_eps)  # [N, H]
+        q = F.linear(x, *layer.q).view(n, self.n_heads, d)
+        k = F.linear(x, *layer.k).view(n, self.n_kv, d)
+        v = F.linear(x, *layer.v).view(n, self.n_kv, d)
+        if layer.q_norm is not None:
+            q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
+        a = self._attention(_rope(q, cos, sin), _rope(k, cos, sin), v, pk)  # [N, Hq * D]
+        h = h + F.linear(a, *layer.o)
+        x = _rms(h, layer.post_norm, layer.post_eps)
+        return h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: _Packing) -> torch.Tensor:
+        """Causal attention of packed q [N, Hq, D], k/v [N, Hkv, D] within each row; returns [N, Hq * D]."""
+        b, s = pk.batch, pk.seq
+        qp = pk.unpack(q).transpose(1, 2)  # [B, Hq, S, D]
+        kp = pk.unpack(k).transpose(1, 2)  # [B, Hkv, S, D]
+        vp = pk.unpack(v).transpose(1, 2)
+        if self.group > 1:
+            kp, vp = kp.repeat_interleave(self.group, dim=1), vp.repeat_interleave(self.group, dim=1)
+        # Right padding: causality alone keeps real queries off padding keys, so no mask tensor is needed.
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)  # [B, Hq, S, D]
+        return pk.pack(out.transpose(1, 2).reshape(b, s, -1))  # [N, Hq * D]
+
+
+def _checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+def fast_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """The fast path itself (call `backbone_hidden_states` unless support was already checked): [B, S, H]."""
+    return _Backbone(backbone_of(model)).forward(input_ids, input_lengths)
