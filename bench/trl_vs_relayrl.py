@@ -206,6 +206,7 @@ def relayrl_overrides(model_dir: str, total_steps: int, lr: float) -> list[str]:
         "logger.num_train_samples_to_log=0",
         "cluster.torch_num_threads=1",
         "cluster.device=cpu",
+        "data_plane.enabled=false",  # grpo_train (legacy) is what this script drives; both trainers time the same
     ]
 
 

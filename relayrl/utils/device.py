@@ -84,3 +84,12 @@ def apply_runtime_settings(deterministic: bool = False, num_threads: int | None 
         # cuBLAS needs a fixed workspace for deterministic GEMMs; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """`fused=True` when torch has a fused AdamW for these parameters (float32/bf16 on CPU or CUDA): one kernel
+    instead of a Python loop over tensors, which dominates the optimizer step of small models."""
+    ok = all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params) and all(
+        p.device.type in ("cpu", "cuda") for p in params
+    )
+    return {"fused": True} if ok else {}

@@ -103,7 +103,8 @@ def next_token_logprobs(
     if chunk_size is None:
         vocab = _vocab_size(lm_head, hidden)
         chunk_size = auto_chunk_size(batch, vocab)
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    # Recompute chunks in backward only when there are several: one chunk already fits the memory budget.
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and num_positions > chunk_size
     outs, plains = [], []
     for start, end in _chunk_bounds(num_positions, chunk_size):
         h, tgt = hidden[:, start:end], targets[:, start:end]

@@ -155,7 +155,9 @@ class PolicyWorker:
     def _build_optimizer(self, max_num_steps: int | None) -> None:
         kw = self.cfg.optimizer.kwargs
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=kw.lr, weight_decay=kw.weight_decay, betas=kw.betas, eps=kw.eps)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=kw.lr, weight_decay=kw.weight_decay, betas=kw.betas, eps=kw.eps, **dev.adamw_kernel(params)
+        )
         sched = self.cfg.scheduler
         lr_factor(sched.warmup_steps, sched, max_num_steps)  # fail now, not at step N, if cosine has no horizon
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, max_num_steps))
