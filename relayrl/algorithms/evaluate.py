@@ -25,6 +25,9 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, Any]:
         tokenizer_cfg = tokenizer_cfg.model_copy(update={"name": str(saved_tokenizer)})
     policy_cfg = cfg.policy.model_copy(update={"model_name": str(model_dir), "tokenizer": tokenizer_cfg})
     cfg = cfg.model_copy(update={"policy": policy_cfg})
+    from relayrl.algorithms.ppo import rollout_view
+
+    cfg = rollout_view(cfg)  # PPO checkpoints keep their rollout settings in `ppo`
     tokenizer = load_tokenizer(cfg)
     _, val_dataloader = build_dataloaders(cfg, tokenizer)
     if val_dataloader is None:

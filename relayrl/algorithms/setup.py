@@ -137,6 +137,10 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
 def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
+    if cfg.algorithm == "ppo":
+        from relayrl.algorithms.ppo_setup import run_ppo
+
+        return run_ppo(cfg, run_dir)
     from relayrl.algorithms.grpo import grpo_train
     from relayrl.algorithms.grpo_sync import grpo_train_sync
 

@@ -16,7 +16,13 @@ def _make_math(cfg: EnvConfig) -> EnvironmentInterface:
     return MathEnvironment(cfg.math)
 
 
-ENV_REGISTRY: dict[str, EnvFactory] = {"math": _make_math}
+def _make_reward_model(cfg: EnvConfig) -> EnvironmentInterface:
+    from relayrl.environments.reward_model_registry import make_reward_model_env  # torch-heavy; load on use
+
+    return make_reward_model_env(cfg)
+
+
+ENV_REGISTRY: dict[str, EnvFactory] = {"math": _make_math, "reward_model": _make_reward_model}
 
 
 def register_env(name: str, factory: EnvFactory) -> None:
