@@ -32,6 +32,7 @@ from transformers import (
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
+from relayrl.models.optim import all_reduce_clip_and_step
 from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.models.policy.worker import _LOAD_LOCK, OPTIMIZER_FILE, lr_factor
 from relayrl.utils import device as dev
@@ -314,20 +315,8 @@ class ValueWorker:
 
     def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
-        if self.comm.world_size > 1:
-            for p in params:  # every rank must contribute a buffer of the same layout
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])  # [P] one collective instead of one per tensor
-            self.comm.all_reduce_sum(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach().cpu()
-        self.optimizer.step()  # type: ignore[union-attr]
+        assert self.optimizer is not None
+        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm)
         self.weights_version += 1
         return grad_norm
 
