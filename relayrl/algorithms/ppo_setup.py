@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from relayrl.algorithms.setup import GRPOComponents, SetupError, load_tokenizer, summarize_run
+from relayrl.algorithms.setup import GRPOComponents, SetupError, check_trainer_executor, load_tokenizer, summarize_run
 from relayrl.config import MasterConfig
 from relayrl.utils.checkpoint import CheckpointManager, load_save_state
 from relayrl.utils.config_io import dump_config
@@ -67,6 +67,7 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
     from relayrl.models.policy.lm_policy import Policy
     from relayrl.models.value.lm_value import Value
 
+    check_trainer_executor(cfg)
     if cfg.algorithm != "ppo":
         raise ValueError(f"setup_ppo needs algorithm: ppo, got {cfg.algorithm!r}")
     p = cfg.ppo

@@ -58,8 +58,18 @@ def load_tokenizer(cfg: MasterConfig) -> Any:
     return tokenizer
 
 
+def check_trainer_executor(cfg: MasterConfig) -> None:
+    """The trainers drive a colocated in-process generation engine: refuse Ray before any worker is started."""
+    if cfg.cluster.executor != "local":
+        raise ValueError(
+            "cluster.executor=ray: the GRPO/PPO trainers do not run on Ray yet (Ray generation workers are pending); "
+            "use cluster.executor=local (Policy and Value themselves do run on Ray from Python)"
+        )
+
+
 def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     """Seed, build data, policy, generation, environments, logger and checkpointer; restore state on resume."""
+    check_trainer_executor(cfg)
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.environments.registry import build_environments
     from relayrl.experience.data import build_dataloaders

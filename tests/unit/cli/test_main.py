@@ -82,3 +82,8 @@ def test_subprocess_has_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("relayrl: error: invalid config value for policy.precision")
     assert not Path(tmp_path / "runs").exists()
+
+
+def test_ray_executor_for_trainers_is_refused_clearly(capsys, tmp_path):
+    code, err = _run(capsys, ["train", "--run-dir", str(tmp_path / "r"), "cluster.executor=ray"])
+    assert code == 2 and "cluster.executor=ray" in err and len(err.splitlines()) == 1
