@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -31,3 +33,21 @@ def all_reduce_clip_and_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach().cpu()
     optimizer.step()
     return grad_norm
+
+
+def record_microbatch_metrics(
+    metrics: dict[str, list[float]],
+    mb_metrics: dict[str, Any],
+    num_global_batches: int,
+    lr: float,
+    global_valid_seqs: torch.Tensor,
+    global_valid_toks: torch.Tensor,
+) -> None:
+    """Append one micro-batch's loss metrics: normalised ones divided by the number of global batches (so the
+    driver's sum is the mean over global batches), extrema (`_min`/`_max`) as they are, plus lr and global counts."""
+    for key, value in mb_metrics.items():
+        value = float(value)
+        metrics[key].append(value if ("_min" in key or "_max" in key) else value / num_global_batches)
+    metrics["lr"].append(lr)
+    metrics["global_valid_seqs"].append(float(global_valid_seqs))
+    metrics["global_valid_toks"].append(float(global_valid_toks))

@@ -32,7 +32,7 @@ from transformers import (
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
-from relayrl.models.optim import all_reduce_clip_and_step
+from relayrl.models.optim import all_reduce_clip_and_step, record_microbatch_metrics
 from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.models.policy.worker import _LOAD_LOCK, OPTIMIZER_FILE, lr_factor
 from relayrl.utils import device as dev
@@ -284,12 +284,7 @@ class ValueWorker:
                     if not eval_mode:
                         loss.backward()
                     gb_loss += loss.detach()
-                    for key, value in mb_metrics.items():
-                        value = float(value)
-                        metrics[key].append(value if ("_min" in key or "_max" in key) else value / num_gb)
-                    metrics["lr"].append(lr)
-                    metrics["global_valid_seqs"].append(float(global_seqs))
-                    metrics["global_valid_toks"].append(float(global_toks))
+                    record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
                 if not eval_mode:
                     grad_norm = self._reduce_clip_and_step(params)
                 losses.append(gb_loss)
