@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,3 +53,79 @@ def record_microbatch_metrics(
     metrics["lr"].append(lr)
     metrics["global_valid_seqs"].append(float(global_valid_seqs))
     metrics["global_valid_toks"].append(float(global_valid_toks))
+
+
+def train_global_batches(
+    *,
+    data: Any,  # BatchedDataDict of this rank's rows
+    gbs: int,
+    mbs: int,
+    eval_mode: bool,
+    comm: Collective,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    params: list[nn.Parameter],
+    device: torch.device,
+    micro_batches: Callable[[Any, int, torch.device], Any],
+    valid_tokens: Callable[[Any], torch.Tensor],
+    loss_for_microbatch: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+    step: Callable[[list[nn.Parameter]], torch.Tensor],
+    rank: int,
+) -> dict[str, Any]:
+    """One train() call (reference §3.9), shared by the policy and value workers.
+
+    One optimizer step per global batch of `gbs` rows (gbs / world on this rank); counts of valid sequences and
+    tokens are summed over ranks, so every micro-batch loss is a partial sum of the global-batch mean; the scheduler
+    steps once per call. `valid_tokens(gb_data)` is the token mask the loss averages over (the policy's drops
+    position 0). Callers own train/eval mode and the no-grad context.
+    """
+    world = comm.world_size
+    local_gbs = gbs // world
+    if local_gbs < 1 or local_gbs % mbs:
+        raise ValueError(f"per-rank global batch {gbs}/{world}={local_gbs} is not a multiple of mbs={mbs}")
+    if data.size % local_gbs:
+        raise ValueError(f"{data.size} rows on rank {rank} are not a multiple of the per-rank batch {local_gbs}")
+    num_gb = data.size // local_gbs
+    lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
+    losses: list[torch.Tensor] = []
+    grad_norm: torch.Tensor | None = None
+    metrics: dict[str, list[float]] = defaultdict(list)
+    total_seqs, total_toks = 0.0, 0.0
+    for gb in range(num_gb):
+        gb_data = data.slice(gb * local_gbs, (gb + 1) * local_gbs)
+        sample_mask = gb_data["sample_mask"].float()  # [b]
+        counts = torch.stack([sample_mask.sum(), (valid_tokens(gb_data).float() * sample_mask[:, None]).sum()]).to(
+            device
+        )  # [2]: valid sequences, valid tokens of this rank's part
+        comm.all_reduce_sum(counts)
+        global_seqs, global_toks = counts[0], counts[1]
+        total_seqs += float(global_seqs)
+        total_toks += float(global_toks)
+        if not eval_mode and optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        gb_loss = torch.zeros((), device=device)
+        for mb in micro_batches(gb_data, mbs, device):
+            if float(mb["sample_mask"].float().sum()) == 0:
+                continue  # no valid sample: contributes nothing to the loss, metrics or gradient
+            loss, mb_metrics = loss_for_microbatch(mb, global_seqs, global_toks)
+            if not eval_mode:
+                loss.backward()
+            gb_loss += loss.detach()
+            record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
+        if not eval_mode:
+            grad_norm = step(params)
+        losses.append(gb_loss)
+    loss_per_gb = torch.stack(losses) if losses else torch.zeros(0, device=device)  # [num_gb]
+    comm.all_reduce_sum(loss_per_gb)
+    if not eval_mode and optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()  # once per train() call, not per optimizer step
+    return {
+        "loss": loss_per_gb.cpu(),
+        "grad_norm": grad_norm,
+        "all_mb_metrics": dict(metrics),
+        "lr": lr,
+        "num_global_batches": num_gb,
+        "num_valid_seqs": total_seqs,
+        "num_valid_tokens": total_toks,
+    }

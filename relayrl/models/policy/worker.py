@@ -29,7 +29,7 @@ from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
-from relayrl.models.optim import all_reduce_clip_and_step, record_microbatch_metrics
+from relayrl.models.optim import all_reduce_clip_and_step, train_global_batches
 from relayrl.models.policy import logprobs as lp_ops
 from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.utils import device as dev
@@ -306,73 +306,54 @@ class PolicyWorker:
         """§3.9: one optimizer step per global batch of `gbs` rows (this rank holds gbs / world of them)."""
         if not eval_mode and (self.optimizer is None or self.scheduler is None):
             raise RuntimeError("train() needs an optimizer but the policy was built with init_optimizer=False")
-        world = self.comm.world_size
-        local_gbs = gbs // world
-        if local_gbs < 1 or local_gbs % mbs:
-            raise ValueError(f"per-rank global batch {gbs}/{world}={local_gbs} is not a multiple of mbs={mbs}")
-        if data.size % local_gbs:
-            raise ValueError(
-                f"{data.size} rows on rank {self.rank} are not a multiple of the per-rank batch {local_gbs}"
-            )
-        num_gb = data.size // local_gbs
         device = self._model_device(self.model)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
-        losses, grad_norm = [], None
-        metrics: dict[str, list[Any]] = defaultdict(list)
-        total_seqs, total_toks = 0.0, 0.0
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         with self._mode(self.model, not eval_mode), grad_ctx:
-            for gb in range(num_gb):
-                gb_data = data.slice(gb * local_gbs, (gb + 1) * local_gbs)
-                sample_mask = gb_data["sample_mask"].float()  # [b]
-                counts = torch.stack(
-                    [sample_mask.sum(), (gb_data["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()]
-                ).to(device)  # [2]: valid sequences, valid tokens of this rank's part
-                self.comm.all_reduce_sum(counts)
-                global_seqs, global_toks = counts[0], counts[1]
-                total_seqs += float(global_seqs)
-                total_toks += float(global_toks)
-                if not eval_mode:
-                    self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-                gb_loss = torch.zeros((), device=device)
-                for mb in self._micro_batches(gb_data, mbs, device):
-                    if float(mb["sample_mask"].float().sum()) == 0:
-                        continue  # no valid sample: contributes nothing to the loss, metrics or gradient
-                    lp, plain = self._next_token_logprobs(
-                        self.model, mb, filtered=self.filtering, return_unfiltered=self.filtering
-                    )  # [b, S-1]
-                    if self.filtering:
-                        keep = mb["token_mask"][:, 1:].bool() & mb["sample_mask"].bool()[:, None]
-                        lp = lp_ops.zero_invalid(lp, keep)
-                        mb["curr_logprobs_unfiltered"] = plain
-                    loss, mb_metrics = loss_fn(lp, mb, global_seqs, global_toks)
-                    if not eval_mode:
-                        loss.backward()
-                    gb_loss += loss.detach()
-                    record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
-                if not eval_mode:
-                    grad_norm = self._reduce_clip_and_step(params)
-                losses.append(gb_loss)
-        loss_per_gb = torch.stack(losses) if losses else torch.zeros(0, device=device)  # [num_gb]
-        self.comm.all_reduce_sum(loss_per_gb)
+            result = train_global_batches(
+                data=data,
+                gbs=gbs,
+                mbs=mbs,
+                eval_mode=eval_mode,
+                comm=self.comm,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                params=[p for p in self.model.parameters() if p.requires_grad],
+                device=device,
+                micro_batches=self._micro_batches,
+                valid_tokens=lambda gb_data: gb_data["token_mask"][:, 1:],
+                loss_for_microbatch=self._policy_microbatch_loss(loss_fn),
+                step=self._reduce_clip_and_step,
+                rank=self.rank,
+            )
         if not eval_mode:
-            self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-            self.scheduler.step()  # type: ignore[union-attr]  # once per train() call, not per optimizer step
             dev.empty_cache(self.device)
         return {
-            "loss": loss_per_gb.cpu(),
-            "grad_norm": grad_norm,
-            "all_mb_metrics": dict(metrics),
-            "lr": lr,
-            "num_global_batches": num_gb,
-            "num_valid_seqs": total_seqs,
-            "num_valid_tokens": total_toks,
+            **result,
             "weights_version": self.weights_version,
             "rank": self.rank,
             "model_dtype": str(dev.precision_dtype(self.cfg.precision)),
             "device": dev.device_name(self.device),
         }
+
+    def _policy_microbatch_loss(
+        self, loss_fn: Callable[..., Any]
+    ) -> Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]:
+        """Current-policy next-token logprobs (filtered like the sampler, plus an unfiltered copy for the KL term when
+        filtering is on) fed to `loss_fn` with the global counts."""
+
+        def microbatch_loss(
+            mb: BatchedDataDict, global_seqs: torch.Tensor, global_toks: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
+            lp, plain = self._next_token_logprobs(
+                self.model, mb, filtered=self.filtering, return_unfiltered=self.filtering
+            )  # [b, S-1]
+            if self.filtering:
+                keep = mb["token_mask"][:, 1:].bool() & mb["sample_mask"].bool()[:, None]
+                lp = lp_ops.zero_invalid(lp, keep)
+                mb["curr_logprobs_unfiltered"] = plain
+            return loss_fn(lp, mb, global_seqs, global_toks)
+
+        return microbatch_loss
 
     def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""

@@ -12,7 +12,6 @@ Like `PolicyWorker` it knows nothing about how it is hosted; cross-rank agreemen
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ from transformers import (
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
-from relayrl.models.optim import all_reduce_clip_and_step, record_microbatch_metrics
+from relayrl.models.optim import all_reduce_clip_and_step, train_global_batches
 from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.models.policy.worker import _LOAD_LOCK, OPTIMIZER_FILE, lr_factor
 from relayrl.utils import device as dev
@@ -252,56 +251,29 @@ class ValueWorker:
         """
         if not eval_mode and (self.optimizer is None or self.scheduler is None):
             raise RuntimeError("train() needs an optimizer but the value model was built with init_optimizer=False")
-        local_gbs = gbs // self.comm.world_size
-        if local_gbs < 1 or local_gbs % mbs or data.size % local_gbs:
-            raise ValueError(f"{data.size} rows on rank {self.rank} do not split into batches of {local_gbs}/{mbs}")
-        num_gb = data.size // local_gbs
         device = self._model_device()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
-        losses, grad_norm = [], None
-        metrics: dict[str, list[Any]] = defaultdict(list)
-        total_seqs, total_toks = 0.0, 0.0
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         with self._mode(not eval_mode), grad_ctx:
-            for gb in range(num_gb):
-                gb_data = data.slice(gb * local_gbs, (gb + 1) * local_gbs)
-                sample_mask = gb_data["sample_mask"].float()  # [b]
-                counts = torch.stack(
-                    [sample_mask.sum(), (gb_data["token_mask"].float() * sample_mask[:, None]).sum()]
-                ).to(device)  # [2]: valid sequences, valid tokens of this rank's part
-                self.comm.all_reduce_sum(counts)
-                global_seqs, global_toks = counts[0], counts[1]
-                total_seqs += float(global_seqs)
-                total_toks += float(global_toks)
-                if not eval_mode:
-                    self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-                gb_loss = torch.zeros((), device=device)
-                for mb in self._micro_batches(gb_data, mbs, device):
-                    if float(mb["sample_mask"].float().sum()) == 0:
-                        continue  # no valid sample: contributes nothing to the loss, metrics or gradient
-                    loss, mb_metrics = loss_fn(self._values(mb), mb, global_seqs, global_toks)
-                    if not eval_mode:
-                        loss.backward()
-                    gb_loss += loss.detach()
-                    record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
-                if not eval_mode:
-                    grad_norm = self._reduce_clip_and_step(params)
-                losses.append(gb_loss)
-        loss_per_gb = torch.stack(losses) if losses else torch.zeros(0, device=device)  # [num_gb]
-        self.comm.all_reduce_sum(loss_per_gb)
+            result = train_global_batches(
+                data=data,
+                gbs=gbs,
+                mbs=mbs,
+                eval_mode=eval_mode,
+                comm=self.comm,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                params=[p for p in self.model.parameters() if p.requires_grad],
+                device=device,
+                micro_batches=self._micro_batches,
+                valid_tokens=lambda gb_data: gb_data["token_mask"],
+                loss_for_microbatch=lambda mb, seqs, toks: loss_fn(self._values(mb), mb, seqs, toks),
+                step=self._reduce_clip_and_step,
+                rank=self.rank,
+            )
         if not eval_mode:
-            self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-            self.scheduler.step()  # type: ignore[union-attr]  # once per train() call, not per optimizer step
             dev.empty_cache(self.device)
         return {
-            "loss": loss_per_gb.cpu(),
-            "grad_norm": grad_norm,
-            "all_mb_metrics": dict(metrics),
-            "lr": lr,
-            "num_global_batches": num_gb,
-            "num_valid_seqs": total_seqs,
-            "num_valid_tokens": total_toks,
+            **result,
             "weights_version": self.weights_version,
             "rank": self.rank,
             "model_dtype": str(dev.precision_dtype(self.cfg.precision)),
