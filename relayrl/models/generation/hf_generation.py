@@ -148,9 +148,19 @@ class HfGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------ generate
     def generate(
-        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False, *, seed: int | None = None
+        self,
+        data: BatchedDataDict[GenerationDatumSpec],
+        greedy: bool = False,
+        *,
+        seed: int | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> BatchedDataDict[GenerationOutputSpec]:
-        """Sample a continuation for every row; `seed` reseeds the engine's generator first."""
+        """Sample a continuation for every row; `seed` reseeds the engine's generator first.
+
+        Sampling draws `U = rand(B, N)` up front (N = the batch's token budget) and step s of row r uses U[r, s], so
+        a row's tokens depend only on its prompt, the weights and U[r]. `uniforms` [B, >= N] supplies U instead
+        (a driver draws it once for a whole batch and hands each worker its rows); ignored when greedy.
+        """
         model = self.model
         version = int(self._source.weights_version)
         if version != self._synced_version:
@@ -166,20 +176,18 @@ class HfGeneration(GenerationInterface):
             )
         input_ids, lengths, row_stops = self._validate(data)
         batch, width = input_ids.shape
-        limits = torch.full((batch,), self.config.max_new_tokens, dtype=torch.long)  # [B]
-        if self.max_total_sequence_length is not None:
-            limits = torch.minimum(limits, self.max_total_sequence_length - lengths)
-            if batch and int(limits.min()) < 1:
-                row = int(limits.argmin())
-                raise ValueError(
-                    f"row {row}: prompt of {int(lengths[row])} tokens leaves no room for generation under "
-                    f"max_total_sequence_length={self.max_total_sequence_length}"
-                )
+        limits = generation_limits(lengths, self.config.max_new_tokens, self.max_total_sequence_length)  # [B]
         max_new = int(limits.max()) if batch else self.config.max_new_tokens
         if batch == 0:
             return _assemble(input_ids, lengths, *_empty_generation(max_new), self.pad_token_id)
         if seed is not None:
             self._generator.manual_seed(seed)
+        if greedy:
+            uniforms = None
+        elif uniforms is None:  # one draw per row and step, up front: independent of how rows are batched
+            uniforms = torch.rand((batch, max_new), generator=self._generator, device=self._generator.device)
+        elif uniforms.dim() != 2 or uniforms.shape[0] != batch or uniforms.shape[1] < max_new:
+            raise ValueError(f"uniforms must be a float tensor [{batch}, >= {max_new}], got {list(uniforms.shape)}")
         sampler = TokenSampler(
             temperature=self.config.temperature,
             top_k=self.config.top_k,
@@ -198,6 +206,7 @@ class HfGeneration(GenerationInterface):
                     limits.to(device),
                     sampler,
                     row_stops,
+                    None if uniforms is None else uniforms[:, :max_new].to(device, torch.float32),
                 )
         finally:
             model.train(was_training)
@@ -244,8 +253,11 @@ class HfGeneration(GenerationInterface):
         limits: torch.Tensor,
         sampler: TokenSampler,
         row_stops: list[list[str]],
+        uniforms: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decode loop. Returns (tokens [B, N], logprobs [B, N], generation lengths [B], stopped [B])."""
+        """The decode loop. Returns (tokens [B, N], logprobs [B, N], generation lengths [B], stopped [B]).
+
+        `uniforms` [B, N]: step s of original row r samples with U[r, s] (None when greedy)."""
         batch = input_ids.shape[0]
         device = input_ids.device
         n_max = int(limits.max())
@@ -275,7 +287,11 @@ class HfGeneration(GenerationInterface):
         n_alive, all_rows = batch, True
         first_limit = int(live_limits.min())  # no row can reach its token budget before this step
         for step in range(n_max):
-            tok, lp = sampler(logits)  # [b], [b]
+            if uniforms is None:
+                u = None
+            else:  # compacted slots keep their original row's stream
+                u = uniforms[:, step] if all_rows else uniforms[:, step].index_select(0, rows)  # [b]
+            tok, lp = sampler(logits, u)  # [b], [b]
             if all_rows:
                 tokens[step], logprobs[step] = tok, lp
             else:
@@ -337,6 +353,20 @@ class _StopStringMatcher:
             text = self.decode(ids[-self.window[row] :])
             hits.append(any(s in text for s in self.row_stops[row]))
         return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
+
+
+def generation_limits(lengths: torch.Tensor, max_new_tokens: int, max_total: int | None) -> torch.Tensor:
+    """Token budget per row [B]: max_new_tokens, capped by what the context limit leaves after the prompt."""
+    limits = torch.full((lengths.shape[0],), max_new_tokens, dtype=torch.long)  # [B]
+    if max_total is not None:
+        limits = torch.minimum(limits, max_total - lengths.long().cpu())
+        if lengths.shape[0] and int(limits.min()) < 1:
+            row = int(limits.argmin())
+            raise ValueError(
+                f"row {row}: prompt of {int(lengths[row])} tokens leaves no room for generation under "
+                f"max_total_sequence_length={max_total}"
+            )
+    return limits
 
 
 def _left_pad(

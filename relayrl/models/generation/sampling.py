@@ -4,6 +4,8 @@ The engine must report the log-prob of each sampled token under the distribution
 (after temperature and filtering), so the sampler returns both in one pass. Sampling uses the inverse CDF
 (one uniform per row, a cumulative sum and a binary search) instead of `torch.multinomial` or Gumbel noise over the
 whole vocabulary: it draws B random numbers instead of B x V and is several times cheaper per decode step on CPU.
+The engine passes the uniforms in (drawn up front, one per row and step), so a row's sample never depends on which
+other rows share its batch: any split of a batch across generation workers samples the same tokens.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class TokenSampler:
         self.greedy = greedy
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; return (tokens int64 [B], log-prob of each token float32 [B])."""
+    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row; return (tokens int64 [B], log-prob of each token float32 [B]).
+
+        `uniforms` [B] in [0, 1): the draw of each row (else one is drawn per row from the generator)."""
         scaled = logits.float()  # [B, V]
         if self.temperature != 1.0:
             scaled = scaled / self.temperature
@@ -74,12 +78,14 @@ class TokenSampler:
             logprobs = scaled.log_softmax(dim=-1)  # [B, V]
             return tokens.squeeze(1), logprobs.gather(1, tokens).squeeze(1)
         probs = apply_top_k_top_p(scaled, self.top_k, self.top_p).softmax(dim=-1)  # [B, V]
-        tokens = sample_inverse_cdf(probs, self.generator)  # [B, 1]
+        tokens = sample_inverse_cdf(probs, self.generator, uniforms)  # [B, 1]
         # log of the gathered probability: one [B, V] pass fewer than a log_softmax, same value to ~1e-7.
         return tokens.squeeze(1), probs.gather(1, tokens).squeeze(1).log()
 
 
-def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_inverse_cdf(
+    probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """One draw per row from `probs` [B, V] (rows sum to ~1; zero-probability tokens are never drawn) -> [B, 1].
 
     The first index whose cumulative probability exceeds u * total (u ~ U[0, 1)) is the sample; a zero-probability
@@ -87,7 +93,10 @@ def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -
     """
     cdf = probs.cumsum(dim=-1)  # [B, V]
     total = cdf[:, -1:]  # [B, 1]
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)  # [B, 1]
+    if uniforms is None:
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)  # [B, 1]
+    else:
+        u = uniforms.to(device=probs.device, dtype=cdf.dtype).reshape(-1, 1)  # [B, 1]
     # Keep the target strictly below the total even after rounding, so the search always finds a real token.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1]
     return torch.searchsorted(cdf, target, right=True)  # [B, 1]

@@ -458,3 +458,37 @@ def test_cuda_generation_matches_forward_pass(char_tokenizer, qwen2, dtype: torc
             assert (
                 _generated(greedy, batch, row) == ref[0, len(ids) :].tolist()[: int(greedy["generation_lengths"][row])]
             )
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_sampling_is_invariant_to_splitting_the_batch(char_tokenizer, qwen2, fast_path):
+    """Rows [0:k] and [k:B] generated apart with their slices of U give the whole batch's tokens and logprobs."""
+    prompts = PROMPTS + ["3+4=", "hello"]
+    batch = _batch(char_tokenizer, prompts)
+    cfg = dict(max_new_tokens=10, temperature=1.5, top_k=30, top_p=0.95, stop_strings=["e", "1", "=", " ", "a"])
+    whole_engine = _engine(char_tokenizer, qwen2, fast_path=fast_path, **cfg)
+    whole = whole_engine.generate(batch)
+    uniforms = torch.rand((len(prompts), 10), generator=torch.Generator().manual_seed(0))  # the engine's own draw
+    assert torch.equal(
+        _engine(char_tokenizer, qwen2, fast_path=fast_path, **cfg).generate(batch, uniforms=uniforms)["output_ids"],
+        whole["output_ids"],
+    )
+    lengths = whole["generation_lengths"]
+    assert 0 < int(lengths.min()) and int(lengths.min()) < int(lengths.max())  # rows end at different steps
+    for k in (1, 3, 5):
+        parts = [
+            _engine(char_tokenizer, qwen2, fast_path=fast_path, **cfg).generate(
+                batch.slice(a, b), uniforms=uniforms[a:b]
+            )
+            for a, b in ((0, k), (k, len(prompts)))
+        ]
+        for key in ("generation_lengths", "truncated", "unpadded_sequence_lengths"):
+            assert torch.equal(torch.cat([p[key] for p in parts]), whole[key]), key
+        for r in range(len(prompts)):
+            part, i = (parts[0], r) if r < k else (parts[1], r - k)
+            n = int(whole["unpadded_sequence_lengths"][r])
+            assert part["output_ids"][i, :n].tolist() == whole["output_ids"][r, :n].tolist()
+            # same tokens; logprobs to float rounding (another batch shape sums the same values in another order)
+            assert (part["logprobs"][i, :n] - whole["logprobs"][r, :n]).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="uniforms must be"):
+        whole_engine.generate(batch, uniforms=uniforms[:, :3])
