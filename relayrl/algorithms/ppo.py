@@ -10,6 +10,7 @@ block's settings.
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
     run_multi_turn_rollout,
+    trim_to_last_loss_token,
 )
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.timer import TimeoutChecker, Timer
@@ -115,6 +117,7 @@ def build_ppo_train_data(
     batch: BatchedDataDict, rewards: torch.Tensor, pad_id: int, cfg: MasterConfig
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Overlong filtering, loss masks on every assistant message, flattening: the tensors both models train on.
+    Rows are cut after their last loss token (trailing tokens change no loss, value target or advantage).
 
     Returns {input_ids, input_lengths, generation_logprobs, rewards, token_mask, sample_mask} and filter metrics.
     """
@@ -125,8 +128,8 @@ def build_ppo_train_data(
         num_filtered = int((truncated & (sample_mask > 0)).sum())
         sample_mask[truncated] = 0.0
     add_token_loss_masks(batch["message_log"], only_generated=False)
-    flat, input_lengths = batched_message_log_to_flat_message(
-        batch["message_log"],
+    flat, input_lengths = trim_to_last_loss_token(  # as GRPO and the rollout actor: same tensors on both paths
+        *batched_message_log_to_flat_message(batch["message_log"], pad_value_dict={"token_ids": pad_id}),
         pad_value_dict={"token_ids": pad_id},
         make_sequence_length_divisible_by=cfg.policy.make_sequence_length_divisible_by,
     )
@@ -294,6 +297,7 @@ def ppo_train(
             metrics = _mean_over_epochs([_policy_metrics(r) for r in policy_results])
             metrics.setdefault("global_valid_toks", critic_metrics.get("global_valid_toks", 0.0))
             metrics.update(
+                driver_bytes=float(_nbytes(train_data)),  # the legacy path moves every byte through the driver
                 reward=float(rewards.float().mean()),
                 mean_prompt_length=float(repeated["length"].float().mean()),
                 total_num_tokens=float(train_data["input_lengths"].sum()),
@@ -319,6 +323,10 @@ def ppo_train(
         state.current_epoch += 1
         state.current_step = 0
     return last_metrics
+
+
+def _nbytes(batch: BatchedDataDict) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
 def _policy_metrics(result: dict[str, Any]) -> dict[str, float]:
@@ -355,4 +363,71 @@ def _advantage_value_metrics(
         "advantages/min": valid.min().item() if valid.numel() else 0.0,
         "returns/mean": float(masked_mean(returns.float(), maskf)),
         "values/mean": float(masked_mean(values.float(), maskf)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- sharded GAE
+# The data-plane trainer runs the estimator on the value workers, each on its own rows. GAE itself is row-local;
+# only the optional whitening is a batch-wide reduction. One shard (dp=1) runs `compute_advantage` unchanged, so its
+# numbers equal the legacy trainer's bit for bit; with several shards the workers first write raw advantages and
+# return float64 moments, the driver sums them, and a second pass whitens with the global mean and variance.
+
+
+def without_normalization(estimator: Any) -> Any:
+    """A shallow copy of `estimator` that skips whitening (the raw pass of the sharded computation)."""
+    raw = copy.copy(estimator)
+    raw.normalize_advantages = False
+    return raw
+
+
+def advantage_moments(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[3] float64 (sum m, sum a*m, sum a^2*m) over a shard: summed over shards they give the batch moments."""
+    a, m = advantages.double(), mask.double()  # [B, S]
+    return torch.stack([m.sum(), (a * m).sum(), (a * a * m).sum()])
+
+
+def whiten_with_moments(
+    advantages: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | list[float], estimator: Any
+) -> torch.Tensor:
+    """Whiten raw advantages `[B, S]` with batch moments, by the estimator's own rule: GAE's `whiten` (unbiased
+    variance, + 1e-8, zero off the mask) or the raw-reward estimator's (biased variance floored at 1e-8)."""
+    n, s, q = (float(x) for x in moments)
+    raw_reward = isinstance(estimator, RawRewardAdvantageEstimator)
+    count = max(n, 1.0) if raw_reward else n + 1e-8
+    mean = s / count
+    var = max(q / count - mean * mean, 0.0)  # biased
+    if raw_reward:
+        return (advantages - mean) * max(var, 1e-8) ** -0.5
+    if n > 1:
+        var = var * n / (n - 1)
+    maskf = mask.to(advantages.dtype)  # [B, S]
+    return (advantages - mean) * (var + 1e-8) ** -0.5 * maskf * (mask != 0).to(advantages.dtype)
+
+
+def shard_advantage_stats(
+    advantages: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> dict[str, Any]:
+    """A shard's `_advantage_value_metrics` plus the weights that combine shards (valid count, mask sum)."""
+    return {
+        "metrics": _advantage_value_metrics(advantages, returns, values, mask),
+        "num_valid": int((mask != 0).sum()),
+        "mask_sum": float(mask.float().sum()),
+    }
+
+
+def combine_advantage_stats(parts: list[dict[str, Any]]) -> dict[str, float]:
+    """Batch metrics from per-shard stats: one shard is returned as is (exact); several are weighted by counts."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 1:
+        return dict(parts[0]["metrics"])
+    valid = [p for p in parts if p["num_valid"]]
+    n = sum(p["num_valid"] for p in valid)
+    w = sum(p["mask_sum"] for p in parts)
+    adv = [p["metrics"] for p in valid]
+    return {
+        "advantages/mean": sum(m["advantages/mean"] * p["num_valid"] for m, p in zip(adv, valid)) / n if n else 0.0,
+        "advantages/max": max((m["advantages/max"] for m in adv), default=0.0),
+        "advantages/min": min((m["advantages/min"] for m in adv), default=0.0),
+        "returns/mean": sum(p["metrics"]["returns/mean"] * p["mask_sum"] for p in parts) / w if w else 0.0,
+        "values/mean": sum(p["metrics"]["values/mean"] * p["mask_sum"] for p in parts) / w if w else 0.0,
     }

@@ -2,7 +2,8 @@
 
 Shares the GRPO setup's pieces (tokenizer, dataloaders, checkpoint manager, policy, colocated generation,
 environments, logger); adds the `Value` model, restored with its optimizer and scheduler from `step_N/value/`.
-PPO runs the legacy (in-memory) trainer whatever `data_plane.enabled` says: there is no data-plane PPO loop yet.
+`data_plane.enabled` selects the trainer: `ppo_train_sync` with a `TQPolicy` (which bootstraps the store) and a
+`TQValue` (which attaches to it), else the legacy `ppo_train` with a `Policy` and a `Value`.
 """
 
 from __future__ import annotations
@@ -89,12 +90,21 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
 
     # Scheduler horizons count train() calls: ppo_epochs per step (the actor only after the critic warm-up).
     actor_steps = max(1, (p.max_num_steps - p.policy_training_start_step) * p.ppo_epochs)
-    policy = Policy(
+    policy_cls: Any = Policy
+    value_cls: Any = Value
+    data_plane: dict[str, Any] = {}
+    if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
+        from relayrl.models.policy.tq_policy import TQPolicy
+        from relayrl.models.value.tq_value import TQValue
+
+        policy_cls, value_cls, data_plane = TQPolicy, TQValue, {"dp_cfg": cfg.data_plane}
+    policy = policy_cls(
         cfg.policy,
         tokenizer,
         cluster=cfg.cluster,
         init_reference_model=cfg.reference_model_needed,
         max_num_steps=actor_steps,
+        **data_plane,
     )
     value_weights = value_optimizer = None
     if last is not None:
@@ -109,14 +119,19 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
         value_weights = str(last / "value" / "weights")
         if (last / "value" / "optimizer").is_dir():
             value_optimizer = str(last / "value" / "optimizer")
-    value = Value(
-        cfg.value,
-        tokenizer,
-        cluster=cfg.cluster,
-        weights_path=value_weights,
-        optimizer_path=value_optimizer,
-        max_num_steps=p.max_num_steps * p.ppo_epochs,
-    )
+    try:
+        value = value_cls(
+            cfg.value,
+            tokenizer,
+            cluster=cfg.cluster,
+            weights_path=value_weights,
+            optimizer_path=value_optimizer,
+            max_num_steps=p.max_num_steps * p.ppo_epochs,
+            **data_plane,
+        )
+    except BaseException:
+        policy.shutdown()
+        raise
 
     generation_source: Any = policy.generation_source  # rank 0's worker: the colocated engine reads its weights
     policy_generation = HfGeneration(
@@ -157,15 +172,18 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
 
 
 def run_ppo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
-    """setup_ppo() then ppo_train(); returns the run summary (validation accuracy before/after)."""
+    """setup_ppo() then ppo_train (or ppo_train_sync with the data plane); returns the run summary."""
     from relayrl.algorithms.ppo import ppo_train
+    from relayrl.algorithms.ppo_sync import ppo_train_sync
+
+    trainer = ppo_train_sync if cfg.data_plane.enabled else ppo_train
 
     try:
         c = setup_ppo(cfg, run_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
         raise SetupError(str(exc).strip("'\"")) from exc
     try:
-        ppo_train(
+        trainer(
             c.policy,
             c.policy_generation,
             c.value,
@@ -184,8 +202,8 @@ def run_ppo(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
     finally:
         c.logger.close()
         c.policy_generation.shutdown()
+        c.value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
         c.policy.shutdown()
-        c.value.shutdown()
         for env in c.task_to_env.values():
             env.shutdown()
     return summarize_run(run_dir)

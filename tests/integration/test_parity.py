@@ -76,3 +76,52 @@ def test_parity_detects_a_difference(tmp_path):
         (tmp_path / name / "metrics.jsonl").write_text(f'{{"step": 1, "train/loss": {loss}, "timing/train/x": 1}}\n')
     report = compare_runs(tmp_path / "legacy", tmp_path / "data_plane")
     assert report["max_abs_diff"] == {"train/loss": 0.25} and report["missing"] == []
+
+
+def _ppo_overrides(model_dir: Path) -> list[str]:
+    return [
+        "algorithm=ppo",
+        f"policy.model_name={model_dir}",
+        f"value.model_name={model_dir}",
+        "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4",
+        "value.train_global_batch_size=8",
+        "value.train_micro_batch_size=4",
+        "policy.generation.max_new_tokens=8",
+        "policy.optimizer.kwargs.lr=1e-3",
+        "value.optimizer.kwargs.lr=1e-3",
+        "value_loss_fn.value_clip=0.2",
+        "loss_fn.reference_policy_kl_penalty=0.01",
+        "loss_fn.use_kl_in_reward=true",
+        "ppo.num_prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2",
+        "ppo.ppo_epochs=2",
+        "ppo.policy_training_start_step=1",
+        "ppo.val_period=2",
+        "ppo.max_val_samples=8",
+        "ppo.val_batch_size=8",
+        "data.train.default_task=parity_test",
+        "checkpointing.enabled=false",
+        "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false",
+    ]
+
+
+def test_ppo_parity_is_exact_on_memory_backend(tmp_path, tiny_model_dir, capsys):
+    """Legacy `ppo_train` vs `ppo_train_sync`: identical rewards, policy and critic losses, KL, grad norms,
+    explained variance and validation, with the KL in the reward (GAE reads both logprob columns) and a warm-up."""
+    code = main(["parity", "--steps", "3", "--out", str(tmp_path), *_ppo_overrides(tiny_model_dir)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "parity OK" in out
+    for name in (
+        "train/reward",
+        "train/loss",
+        "train/grad_norm",
+        "train/advantages/mean",
+        "critic/loss",
+        "critic/grad_norm",
+        "critic/explained_var",
+        "validation/accuracy",
+    ):
+        assert f"  {name} " in out, name

@@ -53,11 +53,30 @@ def _timed(timer: Any, label: str) -> Iterator[None]:
             yield
 
 
+def merge_value_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-rank train results -> one: rank 0's values plus every rank's micro-batch metrics, reduced to `metrics`
+    (per-micro-batch partial sums from every rank add up to the global values)."""
+    if not results:
+        raise ValueError("merge_value_train_results: no worker results")
+    merged: dict[str, list[Any]] = {}
+    for res in results:
+        for key, values in res["all_mb_metrics"].items():
+            merged.setdefault(key, []).extend(values)
+    head = results[0]
+    metrics = reduce_critic_metrics(merged)
+    if head["grad_norm"] is not None:
+        metrics["grad_norm"] = float(head["grad_norm"])
+    return {**head, "all_mb_metrics": merged, "metrics": metrics}
+
+
 class Value(ValueInterface):
     """A causal-LM backbone with a scalar head, trained as a critic, executed by one worker per data-parallel rank.
 
     `config` is a `ValueConfig`, a dict of its keys, or a `PolicyConfig` (its shared keys are used).
     """
+
+    #: Worker class the worker group is built from (the data-plane critic swaps in its own).
+    worker_cls: type[ValueWorker] = ValueWorker
 
     def __init__(
         self,
@@ -76,7 +95,7 @@ class Value(ValueInterface):
         self.tokenizer = tokenizer
         self.dp_size = self.cluster.num_nodes * self.cluster.workers_per_node
         self._group: WorkerGroup[ValueWorker] = build_worker_group(
-            ValueWorker,
+            self.worker_cls,
             self.cluster,
             config=self.cfg,
             tokenizer=tokenizer,
@@ -131,25 +150,20 @@ class Value(ValueInterface):
         rows = check_batch(data, _TRAIN_KEYS, "train")
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
-        if rows == 0 or rows % gbs:
-            raise ValueError(f"train: {rows} rows are not a positive multiple of the global batch size {gbs}")
-        if gbs % self.dp_size or (gbs // self.dp_size) % mbs:
-            raise ValueError(
-                f"train: global batch {gbs} must split into {self.dp_size} data-parallel shards of whole "
-                f"micro-batches of {mbs} rows"
-            )
+        self._check_train_sizes(rows, gbs, mbs, "train")
         shards: list[BatchedDataDict] = BatchedDataDict(data).shard_by_batch_size(self.dp_size, batch_size=gbs)
         with _timed(timer, "value_training"):
             results = self._group.run_sharded("train", shards, loss_fn, eval_mode, gbs, mbs)
-        merged: dict[str, list[Any]] = {}
-        for res in results:  # per-micro-batch partial sums from every rank add up to the global values
-            for key, values in res["all_mb_metrics"].items():
-                merged.setdefault(key, []).extend(values)
-        head = results[0]
-        metrics = reduce_critic_metrics(merged)
-        if head["grad_norm"] is not None:
-            metrics["grad_norm"] = float(head["grad_norm"])
-        return {**head, "all_mb_metrics": merged, "metrics": metrics}
+        return merge_value_train_results(results)
+
+    def _check_train_sizes(self, rows: int, gbs: int, mbs: int, what: str) -> None:
+        if rows == 0 or rows % gbs:
+            raise ValueError(f"{what}: {rows} rows are not a positive multiple of the global batch size {gbs}")
+        if gbs % self.dp_size or (gbs // self.dp_size) % mbs:
+            raise ValueError(
+                f"{what}: global batch {gbs} must split into {self.dp_size} data-parallel shards of whole "
+                f"micro-batches of {mbs} rows"
+            )
 
     # ------------------------------------------------------------------ memory phases
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
