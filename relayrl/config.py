@@ -33,9 +33,18 @@ class TokenizerConfig(Strict):
     """Override the tokenizer's chat template (a Jinja string or a path to a .jinja file)."""
 
 
+class GenerationResourcesConfig(Strict):
+    """Dedicated generation workers (used when generation is not colocated, on the Ray executor)."""
+
+    num_nodes: PositiveInt | None = None
+    workers_per_node: PositiveInt | None = None
+
+
 class ColocatedConfig(Strict):
     enabled: bool = True
-    """Generation shares devices (and, on the local executor, the very weights) with training."""
+    """Generation shares devices (and, on the local executor, the very weights) with training. On Ray: one
+    generation worker per policy rank, refit over ZMQ IPC; false: `resources` workers, refit over a collective."""
+    resources: GenerationResourcesConfig = GenerationResourcesConfig()
 
 
 class GenerationConfig(Strict):
@@ -336,6 +345,7 @@ class DataPlaneConfig(Strict):
     """Rollout tensors live in a sample-keyed store (grpo_train_sync); false runs the legacy in-memory trainer.
     Both log identical metrics (`relayrl parity`)."""
     backend: Literal["memory", "ray", "transfer_queue"] = "memory"
+    """`memory` on the local executor; in a MasterConfig with cluster.executor=ray an unset backend means `ray`."""
     storage_capacity: PositiveInt = 1_000_000
     """Maximum samples held across partitions; exceeding it is an error, never silent growth."""
     call_timeout_s: PositiveFloat = 120.0
@@ -435,6 +445,18 @@ class MasterConfig(Strict):
     value: ValueConfig = ValueConfig()
     value_loss_fn: MseValueLossConfig = MseValueLossConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _executor_defaults(cls, data: Any) -> Any:
+        """data_plane.backend, when not given, is `memory` on the local executor and `ray` on the Ray executor."""
+        if not isinstance(data, dict):
+            return data
+        cluster, plane = data.get("cluster"), data.get("data_plane")
+        executor = cluster.get("executor") if isinstance(cluster, dict) else getattr(cluster, "executor", None)
+        if executor == "ray" and (plane is None or (isinstance(plane, dict) and "backend" not in plane)):
+            return {**data, "data_plane": {**(plane or {}), "backend": "ray"}}
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> MasterConfig:
         p = self.policy
@@ -467,6 +489,18 @@ class MasterConfig(Strict):
             raise ValueError(
                 f"{block}.skip_reference_policy_logprobs_calculation requires loss_fn.reference_policy_kl_penalty == 0"
             )
+        if self.cluster.executor == "ray":
+            res = p.generation.colocated.resources
+            if not p.generation.colocated.enabled and (res.num_nodes is None or res.workers_per_node is None):
+                raise ValueError(
+                    "policy.generation.colocated.enabled=false on cluster.executor=ray needs "
+                    "policy.generation.colocated.resources.num_nodes and .workers_per_node (dedicated generation workers)"
+                )
+            if self.data_plane.enabled and self.data_plane.backend == "memory":
+                raise ValueError(
+                    "data_plane.backend=memory is in-process and cannot be shared by Ray workers; use ray (the default "
+                    "on cluster.executor=ray) or transfer_queue"
+                )
         if p.generation.max_new_tokens >= p.max_total_sequence_length:
             raise ValueError("policy.generation.max_new_tokens must be < policy.max_total_sequence_length")
         if self.data.train.source == "file" and not self.data.train.path:

@@ -1,0 +1,279 @@
+"""DistributedGeneration: the driver's generation engine over a group of `GenerationWorker`s (Ray or in-process).
+
+`generate` draws the sampling uniforms `U [B, N]` once from the façade's own generator, hands each worker a
+contiguous block of rows with its rows of U, and stitches the results back into the `GenerationOutputSpec` an
+`HfGeneration` would return for the whole batch (same tokens: a row's sample depends only on its prompt, the
+weights and its row of U). The generator's state is the one `get_rng_state` / `set_rng_state` save and restore,
+so a resumed run samples exactly what the uninterrupted one would have.
+
+`prepare_for_generation` refits the workers whenever the policy's `weights_version` moved (§1.3, §5.7-5.9):
+
+* colocated (`policy.generation.colocated.enabled`): one generation worker per policy rank; the policy offloads
+  its optimizer state (`offload_before_refit`), every training rank streams its weights over ZMQ IPC to the
+  generation worker of its host and local rank while the workers receive, then `offload_after_refit`;
+* not colocated: `colocated.resources` dedicated workers joined with the training ranks in one weight-update
+  group at construction; training rank 0 broadcasts and every worker receives, concurrently.
+
+Refit time and bytes are kept as `refit/*` metrics (`refit_metrics()`).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import torch
+
+from relayrl.config import ClusterConfig, GenerationConfig, PolicyConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.executor import build_worker_group, run_all_async
+from relayrl.distributed.interfaces import WorkerGroup
+from relayrl.models.generation.hf_generation import _assemble, _empty_generation, generation_limits
+from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
+from relayrl.models.generation.worker import GenerationWorker
+
+#: ZMQ IPC refit budget: two ping-pong buffers of half of it each.
+DEFAULT_REFIT_BUFFER_BYTES = 64 << 20
+
+
+def generation_cluster(config: GenerationConfig, cluster: ClusterConfig) -> ClusterConfig:
+    """The worker layout of the generation group: the policy's when colocated, else `colocated.resources`."""
+    if config.colocated.enabled:
+        return cluster
+    res = config.colocated.resources
+    if res.num_nodes is None or res.workers_per_node is None:
+        raise ValueError(
+            "policy.generation.colocated.enabled=false needs policy.generation.colocated.resources.num_nodes and "
+            ".workers_per_node"
+        )
+    return cluster.model_copy(update={"num_nodes": res.num_nodes, "workers_per_node": res.workers_per_node})
+
+
+def contiguous_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of `parts` contiguous blocks covering `rows` rows; the first `rows % parts` get one more."""
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for r in range(parts):
+        end = start + base + (1 if r < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class DistributedGeneration(GenerationInterface):
+    """Generation on separate workers, kept in sync with `policy` by refit; same outputs as one `HfGeneration`."""
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        tokenizer: Any,
+        policy: Any,
+        *,
+        cluster: ClusterConfig,
+        policy_config: PolicyConfig,
+        max_total_sequence_length: int | None = None,
+        seed: int = 0,
+        refit_buffer_bytes: int = DEFAULT_REFIT_BUFFER_BYTES,
+    ) -> None:
+        if not isinstance(config, GenerationConfig):
+            raise TypeError(f"config must be a relayrl GenerationConfig, got {type(config).__name__}")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise ValueError("tokenizer has neither pad_token_id nor eos_token_id; cannot pad outputs")
+        self.config = config
+        self.pad_token_id = int(pad_id)
+        self.max_total_sequence_length = max_total_sequence_length
+        self.colocated = config.colocated.enabled
+        self.refit_buffer_bytes = refit_buffer_bytes
+        self._policy = policy
+        self._generator = torch.Generator().manual_seed(seed)
+        self._rng_delegate: Any = None  # set while a remote rollout actor samples with this engine's stream
+        self._synced_version: int | None = None  # None: never refitted (fresh or random-init workers)
+        self._metrics: dict[str, float] = {}
+        self._totals = {"count": 0.0, "seconds": 0.0, "bytes": 0.0}
+        gen_cluster = generation_cluster(config, cluster)
+        train_world = int(policy.dp_size)
+        self._group: WorkerGroup[GenerationWorker] = build_worker_group(
+            GenerationWorker,
+            gen_cluster,
+            policy_config=policy_config.model_copy(update={"generation": config}),
+            tokenizer=tokenizer,
+            device=cluster.device,
+            max_total_sequence_length=max_total_sequence_length,
+            seed=seed,
+        )
+        try:
+            if self.colocated and self._group.world_size != train_world:
+                raise ValueError(
+                    f"colocated generation needs one worker per policy rank: {self._group.world_size} vs {train_world}"
+                )
+            self._group.run_all("prepare_refit_info", policy.prepare_refit_info())
+            if not self.colocated:
+                self._join_weight_group(train_world)
+        except BaseException:
+            self._group.shutdown()
+            raise
+
+    def _join_weight_group(self, train_world: int) -> None:
+        """Training ranks 0..T-1 and generation workers T.. in one group, rendezvousing at training rank 0."""
+        ip, port = _rank0_endpoint(self._policy)
+        world = train_world + self._group.world_size
+        (training,) = self._policy.init_collective(ip, port, world, train_world_size=train_world)
+        joined = run_all_async(self._group, "init_collective", ip, port, world, train_world_size=train_world)
+        training.result()
+        joined.result()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    @property
+    def synced_weights_version(self) -> int | None:
+        return self._synced_version
+
+    def get_rng_state(self) -> torch.Tensor:
+        """Sampling generator state (save it with a checkpoint for an exact resume)."""
+        if self._rng_delegate is not None:
+            return self._rng_delegate.get_rng_state()
+        return self._generator.get_state().clone()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self._rng_delegate is not None:
+            self._rng_delegate.set_rng_state(state)
+        else:
+            self._generator.set_state(state.clone())
+
+    def delegate_rng(self, delegate: Any) -> None:
+        """While a copy of this engine samples elsewhere (a Ray rollout actor), its generator is the live one:
+        `delegate.get_rng_state()` / `.set_rng_state()` reach it. None takes the stream back (state first)."""
+        if delegate is None and self._rng_delegate is not None:
+            self._generator.set_state(self._rng_delegate.get_rng_state().clone())
+        self._rng_delegate = delegate
+
+    def refit_metrics(self) -> dict[str, float]:
+        """`refit/*` of the last refit (time, bytes received per worker, ms per MB) and running totals."""
+        out = dict(self._metrics)
+        out.update({f"refit/total_{k}": v for k, v in self._totals.items()})
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Refit the workers if the policy trained since the last sync; then they generate on its weights."""
+        if self._policy is None:
+            raise RuntimeError("prepare_for_generation runs on the driver's engine, not on a remote copy")
+        version = int(self._policy.weights_version)
+        if version != self._synced_version:
+            self._refit()
+            self._group.run_all("set_weights_version", version)
+            self._synced_version = version
+        return True
+
+    def _refit(self) -> None:
+        start = time.perf_counter()
+        if self.colocated:
+            self._policy.offload_before_refit()
+            receiving = run_all_async(self._group, "update_weights_via_ipc_zmq")
+            (sending,) = self._policy.stream_weights_via_ipc_zmq(self.refit_buffer_bytes)
+            sending.result()
+            received = receiving.result()
+            self._policy.offload_after_refit()
+        else:
+            (sending,) = self._policy.broadcast_weights_for_collective()
+            receiving = run_all_async(self._group, "update_weights_from_collective")
+            sending.result()
+            received = receiving.result()
+        seconds = time.perf_counter() - start
+        nbytes = float(sum(r["bytes"] for r in received))
+        self._metrics = {
+            "refit/time_s": seconds,
+            "refit/bytes": nbytes,
+            "refit/ms_per_mb": 1e3 * seconds / max(nbytes / 2**20, 1e-9),
+            "refit/colocated": float(self.colocated),
+        }
+        self._totals["count"] += 1
+        self._totals["seconds"] += seconds
+        self._totals["bytes"] += nbytes
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        self._group.run_all("finish_generation")
+        return True
+
+    def shutdown(self) -> bool:
+        if self._policy is not None:  # a remote copy does not own the workers
+            self._group.shutdown()
+        return True
+
+    def worker_state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """Every worker's weights (tests compare them with the policy's after a refit)."""
+        return self._group.run_all("state_dict")
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Continuations for every row, sharded contiguously over the workers; as `HfGeneration` on the batch."""
+        for key in ("input_ids", "input_lengths"):
+            if key not in data:
+                raise ValueError(f"generate() input is missing {key!r}")
+        input_ids = data["input_ids"]
+        lengths = torch.as_tensor(data["input_lengths"]).cpu().long()
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be an integer tensor [B, S], got {getattr(input_ids, 'shape', None)}")
+        batch, width = input_ids.shape
+        limits = generation_limits(lengths, self.config.max_new_tokens, self.max_total_sequence_length)  # [B]
+        max_new = int(limits.max()) if batch else self.config.max_new_tokens
+        if batch == 0:
+            return _assemble(input_ids.cpu().long(), lengths, *_empty_generation(max_new), self.pad_token_id)
+        uniforms = None if greedy else torch.rand((batch, max_new), generator=self._generator)  # [B, N]
+        shards = []
+        for start, end in contiguous_bounds(batch, self._group.world_size):
+            rows = BatchedDataDict(
+                {k: v[start:end].clone() if isinstance(v, torch.Tensor) else v[start:end] for k, v in data.items()}
+            )  # clones: a view would ship the whole batch's storage to a remote worker
+            shards.append((rows, None if uniforms is None else uniforms[start:end].clone()))
+        parts = self._group.run_sharded("generate_shard", shards, greedy)
+        return _merge(parts, width + max_new, self.pad_token_id)
+
+    # ------------------------------------------------------------------ a copy for a remote rollout actor
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy needs to generate (the workers, the settings, the generator state), never the policy."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_policy", "_generator", "_rng_delegate")}
+        return {**state, "_policy": None, "_rng_delegate": None, "_rng_state": self.get_rng_state()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        rng = state.pop("_rng_state")
+        self.__dict__.update(state)
+        self._generator = torch.Generator()
+        self._generator.set_state(rng)
+
+
+def _merge(parts: list[BatchedDataDict], total_width: int, pad_id: int) -> BatchedDataDict[GenerationOutputSpec]:
+    """Workers' outputs (each as wide as its own longest budget) right-padded to one width and concatenated."""
+    ids, logprobs = [], []
+    for p in parts:
+        missing = total_width - p["output_ids"].shape[1]
+        ids.append(torch.nn.functional.pad(p["output_ids"], (0, missing), value=pad_id))  # [b, W]
+        logprobs.append(torch.nn.functional.pad(p["logprobs"], (0, missing), value=0.0))  # [b, W]
+    return BatchedDataDict(
+        output_ids=torch.cat(ids),
+        logprobs=torch.cat(logprobs),
+        generation_lengths=torch.cat([p["generation_lengths"] for p in parts]),
+        unpadded_sequence_lengths=torch.cat([p["unpadded_sequence_lengths"] for p in parts]),
+        truncated=torch.cat([p["truncated"] for p in parts]),
+    )
+
+
+def _rank0_endpoint(policy: Any) -> tuple[str, int]:
+    """Where training rank 0 can host the weight-update group's store: its node's IP and a port free there."""
+    group = getattr(policy, "_group", None)
+    actor = getattr(group, "actor", None)
+    if callable(actor):  # Ray: ask the actor hosting rank 0 (it may run on another node than the driver)
+        import ray
+
+        info = ray.get(actor(0).node_info.remote())
+        return str(info["ip"]), int(info["port"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1", int(s.getsockname()[1])
