@@ -32,6 +32,7 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.timer import TimeoutChecker, Timer
@@ -77,7 +78,7 @@ def grpo_train_sync(
     train_fields = _train_fields_for_step(skip_prev, skip_ref)
     rollout_actor = SyncRolloutActor(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
     carry_keys = _CARRY + (["response_token_lengths"] if g.reward_shaping.enabled else [])
-    carry_keys += ["message_log"] if cfg.logger.num_train_samples_to_log else []
+    carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
     target = g.num_prompts_per_step * g.num_generations_per_prompt
     last_metrics: dict[str, Any] = {}
 
@@ -133,11 +134,11 @@ def grpo_train_sync(
                     group_size=g.num_generations_per_prompt,
                     first_iter=num_gen_batches == 1,
                     carry_keys=carry_keys,
-                    compact=True,
+                    wire=True,
+                    text_rows=cfg.logger.num_train_samples_to_log,
                 )
-                step_carry_bytes += _nbytes(carry)  # what crossed to the driver, in its compact wire dtypes
-                carry["total_reward"] = carry["total_reward"].float()  # [B], back to the legacy dtypes
-                carry["loss_multiplier"] = carry["loss_multiplier"].float()  # [B]
+                step_carry_bytes += wire_nbytes(carry)  # what crossed to the driver: its smallest exact form
+                carry = decode_carry(carry)  # per-row values, dtypes as the legacy trainer's
 
             # ---- rewards: scaling/shaping, then per-prompt baseline and std (on the carry only) ----
             with timer.time("reward_calculation"):
@@ -190,8 +191,10 @@ def grpo_train_sync(
                 sample_mask = carry["loss_multiplier"].clone().float()  # [B]
                 if g.overlong_filtering:
                     sample_mask[carry["truncated"].bool()] = 0.0
-                if not torch.equal(sample_mask, carry["loss_multiplier"].float()):
+                stored_mask = carry["loss_multiplier"].float()  # [B] what the store's sample_mask holds
+                if not torch.equal(sample_mask, stored_mask):
                     policy.write_to_dataplane(meta, {"sample_mask": sample_mask})
+                    stored_mask = sample_mask.clone()
 
             # ---- prev and reference logprobs: computed and written back by the workers ----
             with timer.time("policy_and_reference_logprobs"):
@@ -233,7 +236,10 @@ def grpo_train_sync(
                     from relayrl.algorithms.grpo_common import advantage_metrics
 
                     adv_metrics = advantage_metrics(advantages_column, mask, carry["baseline"])
-                policy.write_to_dataplane(meta, {"advantages": advantages_column, "sample_mask": sample_mask})
+                columns = {"advantages": advantages_column}
+                if not torch.equal(sample_mask, stored_mask):  # else the store already holds it
+                    columns["sample_mask"] = sample_mask
+                policy.write_to_dataplane(meta, columns)
 
             # ---- train: every DP worker fetches its keys ----
             with timer.time("policy_training"):
@@ -262,12 +268,12 @@ def grpo_train_sync(
             )
             logger.log_metrics(dp_metrics, step)
             samples: list[dict[str, Any]] = []
-            if "message_log" in carry:
-                logs = carry["message_log"]
+            if "sample_text" in carry:  # text crossed for a few leading rows of each generation batch only
+                rows = [i for i, text in enumerate(carry["sample_text"]) if text is not None]
                 samples = sample_rows(
-                    ["".join(m["content"] for m in log if m["role"] in ("system", "user")) for log in logs],
-                    ["".join(m["content"] for m in log if m["role"] == "assistant") for log in logs],
-                    rewards,
+                    [carry["sample_text"][i][0] for i in rows],
+                    [carry["sample_text"][i][1] for i in rows],
+                    rewards[rows],
                     step,
                     cfg.logger.num_train_samples_to_log,
                 )
@@ -299,10 +305,6 @@ def _train_fields_for_step(skip_prev_logprobs: bool, skip_reference_logprobs: bo
     if skip_reference_logprobs:
         skipped.add("reference_policy_logprobs")
     return [f for f in DP_TRAIN_FIELDS if f not in skipped]
-
-
-def _nbytes(batch: BatchedDataDict) -> int:
-    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
 def _token_fields(skip_prev: bool, skip_ref: bool) -> list[str]:

@@ -39,6 +39,7 @@ from relayrl.data_plane.schema import (
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
+from relayrl.experience.carry_wire import compact_tensor, encode_carry
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
@@ -62,6 +63,7 @@ DEFAULT_CARRY_KEYS: tuple[str, ...] = (
 )
 #: Extra per-row values a caller may ask for with `carry_keys` (text for sample logging; never token tensors).
 OPT_IN_CARRY_KEYS: tuple[str, ...] = (
+    "sample_text",
     "message_log",
     "turn_roles",
     "turn_contents",
@@ -91,6 +93,12 @@ def flatten_for_store(message_logs: Sequence[MessageLog], pad_id: int, multiple:
 
 def _first_assistant_length(msgs: MessageLog) -> int:
     return next((len(m["token_ids"]) for m in msgs if m["role"] == "assistant"), 0)
+
+
+def _sample_text(msgs: MessageLog) -> tuple[str, str]:
+    """(prompt, completion) text of one row, as samples.jsonl logs it: system/user turns, then assistant turns."""
+    prompt = "".join(m["content"] for m in msgs if m["role"] in ("system", "user"))
+    return prompt, "".join(m["content"] for m in msgs if m["role"] == "assistant")
 
 
 class SyncRolloutActor:
@@ -125,14 +133,19 @@ class SyncRolloutActor:
         uids: Sequence[str] | None = None,
         greedy: bool = False,
         compact: bool = False,
-    ) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, Any], dict[str, Any]]:
+        wire: bool = False,
+        text_rows: int | None = None,
+    ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
         """Roll out `input_batch` (already repeat-interleaved: the `group_size` rows of a prompt are contiguous),
         write its bulk to `partition_id`, return `(meta, driver_carry, rollout_metrics, generation_metrics)`.
 
         The caller prepares the engine (`prepare_for_generation`); with `finish_generation` the actor releases it
         after the rollout. `carry_keys` replaces the default carry with exactly these keys (defaults and
         `OPT_IN_CARRY_KEYS`). `uids` (one per prompt) replace the random uuid4 uids. `compact` stores integer and
-        0/1 carry values in the smallest dtype that holds them exactly (fewer bytes through the driver).
+        0/1 carry values in the smallest dtype that holds them exactly (fewer bytes through the driver). `wire`
+        returns the carry in its wire form (`encode_carry`; the driver decodes it with `decode_carry`), the
+        smallest exact encoding. `text_rows` builds the opt-in text values only for the first `text_rows` rows
+        (the rest are None): the driver logs a few samples, so the whole batch's text need not cross to it.
         """
         n_rows = _check_rows(input_batch)
         num_prompts = _check_grouping(n_rows, group_size)
@@ -177,7 +190,9 @@ class SyncRolloutActor:
             gen.finish_generation()
         get_metrics = getattr(gen, "get_logger_metrics", None)
         gen_metrics: dict[str, Any] = dict(get_metrics()) if callable(get_metrics) else {}
-        carry = self._driver_carry(final, bulk, prompt_ids, prompt_lengths, carry_keys)
+        carry = self._driver_carry(final, bulk, prompt_ids, prompt_lengths, carry_keys, text_rows)
+        if wire:
+            return meta, encode_carry(carry, group_size), rollout_metrics, gen_metrics
         if compact:
             carry = BatchedDataDict(
                 {k: compact_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in carry.items()}
@@ -191,8 +206,10 @@ class SyncRolloutActor:
         prompt_ids: torch.Tensor,
         prompt_lengths: torch.Tensor,
         carry_keys: Sequence[str] | None,
+        text_rows: int | None = None,
     ) -> BatchedDataDict:
-        """Per-row values for the driver; the opt-in text values are built only when asked for."""
+        """Per-row values for the driver; the opt-in text values are built only when asked for (and with
+        `text_rows`, only for that many leading rows: None stands in for the others)."""
         wanted = list(DEFAULT_CARRY_KEYS if carry_keys is None else carry_keys)
         unknown = [k for k in wanted if k not in DEFAULT_CARRY_KEYS and k not in OPT_IN_CARRY_KEYS]
         if unknown:
@@ -200,6 +217,7 @@ class SyncRolloutActor:
                 f"carry_keys {unknown} are not available; valid: {list(DEFAULT_CARRY_KEYS) + list(OPT_IN_CARRY_KEYS)}"
             )
         logs = final["message_log"]
+        text_logs = logs if text_rows is None else [m if i < text_rows else None for i, m in enumerate(logs)]
         builders: dict[str, Any] = {
             "total_reward": lambda: final["total_reward"],  # [B] float32
             "loss_multiplier": lambda: final["loss_multiplier"],  # [B]
@@ -210,9 +228,13 @@ class SyncRolloutActor:
             "prompt_group": lambda: prompt_group_ids(prompt_ids, prompt_lengths),  # [B] int64, equal iff same prompt
             "response_token_lengths": lambda: torch.tensor([_first_assistant_length(m) for m in logs]),  # [B]
             "loss_token_counts": lambda: bulk[TOKEN_MASK].sum(dim=-1),  # [B] int64: tokens with token_mask 1
-            "message_log": lambda: [[{"role": m["role"], "content": m["content"]} for m in msgs] for msgs in logs],
-            "turn_roles": lambda: [[m["role"] for m in msgs] for msgs in logs],
-            "turn_contents": lambda: [[m["content"] for m in msgs] for msgs in logs],
+            "message_log": lambda: [
+                None if msgs is None else [{"role": m["role"], "content": m["content"]} for m in msgs]
+                for msgs in text_logs
+            ],
+            "sample_text": lambda: [None if msgs is None else _sample_text(msgs) for msgs in text_logs],
+            "turn_roles": lambda: [None if msgs is None else [m["role"] for m in msgs] for msgs in text_logs],
+            "turn_contents": lambda: [None if msgs is None else [m["content"] for m in msgs] for msgs in text_logs],
             "idx": lambda: final["idx"],
             "task_name": lambda: list(final["task_name"]),
             "extra_env_info": lambda: list(final["extra_env_info"]),
@@ -248,19 +270,6 @@ def prompt_group_ids(prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> 
         digest = hashlib.blake2b(struct.pack(f"<{n}q", *row[:n]), digest_size=8).digest()
         out.append(int.from_bytes(digest, "little", signed=True))
     return torch.tensor(out, dtype=torch.int64)
-
-
-def compact_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The same values in the smallest exact dtype: 0/1 floats -> bool, small integers -> int16/int32."""
-    if t.numel() == 0 or t.dtype == torch.bool:
-        return t
-    if t.is_floating_point():
-        return t.bool() if bool(((t == 0) | (t == 1)).all()) else t
-    if t.element_size() > 2 and t.dim() == 1 and int(t.min()) >= -(2**15) and int(t.max()) < 2**15:
-        return t.to(torch.int16)
-    if t.element_size() > 4 and t.dim() == 1 and int(t.min()) >= -(2**31) and int(t.max()) < 2**31:
-        return t.to(torch.int32)
-    return t
 
 
 # ---------------------------------------------------------------------------------------------------- checks

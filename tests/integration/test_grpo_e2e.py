@@ -66,3 +66,21 @@ def test_three_grpo_steps_then_resume_plot_evaluate(tmp_path, tiny_model_dir, ca
     assert main(["evaluate", "--checkpoint", str(ckpt)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0.0 <= out["accuracy"] <= 1.0 and out["num_samples"] == 8
+
+
+def test_default_step_moves_at_most_two_percent_of_store_bytes_through_the_driver(tmp_path):
+    """Issue 5: on the default config the data-plane step sends per-row scalars (and a few sample texts) to the
+    driver, <= 2% of what it writes to the store; the legacy step moves the whole training batch through it."""
+    common = ["grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false"]
+    rows = {}
+    for dp in ("true", "false"):
+        run_dir = tmp_path / f"dp_{dp}"
+        assert main(["train", "--run-dir", str(run_dir), *common, f"data_plane.enabled={dp}"]) == 0
+        rows[dp] = next(r for r in _metrics(run_dir) if "train/driver_bytes" in r)
+    dp_row, legacy_row = rows["true"], rows["false"]
+    assert dp_row["train/driver_fraction_of_store_bytes"] <= 0.02
+    assert dp_row["train/driver_bytes"] == pytest.approx(
+        dp_row["train/driver_fraction_of_store_bytes"] * dp_row["train/store_bytes_written"]
+    )
+    assert dp_row["train/driver_bytes"] < 0.05 * legacy_row["train/driver_bytes"]
+    assert dp_row["train/reward"] == legacy_row["train/reward"]  # the same step, only data movement differs

@@ -265,14 +265,33 @@ def test_bulk_goes_to_the_store_not_through_the_driver(setup: SimpleNamespace) -
     assert s.driver.bytes_held()["train"] > 0  # detaching the actor leaves the driver's store alone
 
 
-def test_compact_tensor_is_exact_and_smaller():
-    from relayrl.experience.sync_rollout_actor import compact_tensor
+def test_wire_carry_decodes_to_the_plain_carry_and_text_rows_limit_text(setup: SimpleNamespace) -> None:
+    from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 
-    ints = torch.tensor([0, 5, 30000], dtype=torch.int64)
-    assert compact_tensor(ints).dtype == torch.int16 and torch.equal(compact_tensor(ints).long(), ints)
-    big = torch.tensor([0, 70000], dtype=torch.int64)
-    assert compact_tensor(big).dtype == torch.int32 and torch.equal(compact_tensor(big).long(), big)
-    binary = torch.tensor([0.0, 1.0, 1.0])
-    assert compact_tensor(binary).dtype == torch.bool and torch.equal(compact_tensor(binary).float(), binary)
-    frac = torch.tensor([0.5, 1.0])
-    assert compact_tensor(frac) is frac
+    s = setup
+    repeated = prompt_batch(s.tok).repeat_interleave(G)
+    keys = ["total_reward", "loss_multiplier", "truncated", "length", "prompt_group", "loss_token_counts"]
+    uids = ["a", "b"]
+    _, plain, _, _ = s.actor.rollout_to_tq(
+        repeated, partition_id="train", group_size=G, carry_keys=keys + ["sample_text"], uids=uids, greedy=True
+    )
+    s.driver.clear_samples(None, "train")
+    _, wire, _, _ = s.actor.rollout_to_tq(
+        repeated,
+        partition_id="train",
+        group_size=G,
+        carry_keys=keys + ["sample_text"],
+        uids=uids,
+        greedy=True,
+        wire=True,
+        text_rows=2,
+    )
+    decoded = decode_carry(wire)
+    for k in keys:
+        assert decoded[k].dtype == plain[k].dtype and torch.equal(decoded[k], plain[k]), k
+    assert decoded["sample_text"][:2] == plain["sample_text"][:2] and decoded["sample_text"][2:] == [None] * 4
+    prompt, completion = plain["sample_text"][0]
+    assert prompt.startswith("<|user|>") and completion  # what samples.jsonl logs for the row
+    tensors = sum(plain[k].numel() * plain[k].element_size() for k in keys)
+    text = sum(len(a.encode()) + len(b.encode()) for a, b in plain["sample_text"][:2])
+    assert wire_nbytes(wire) - text < tensors / 2
