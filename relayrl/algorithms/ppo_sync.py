@@ -283,8 +283,12 @@ def _step_bytes(policy: Any, value: Any, rollout_actor: SyncRolloutActor, carry_
     out = policy.data_plane_metrics(
         reset=True, extra=[rollout_actor.data_plane_metrics(reset=True), critic, critic_workers]
     )
-    driver = out.get("data_plane/driver_bytes", 0.0) + critic.get("data_plane/driver_bytes", 0.0) + carry_bytes
+    out["data_plane/driver_bytes"] = out.get("data_plane/driver_bytes", 0.0) + critic.get(
+        "data_plane/driver_bytes", 0.0
+    )
+    driver = out["data_plane/driver_bytes"] + carry_bytes
     written = out.get("data_plane/all/put_bytes", 0.0)
+    out["data_plane/driver_fraction_of_written"] = out["data_plane/driver_bytes"] / written if written else 0.0
     out["data_plane/step/driver_bytes"] = float(driver)
     out["data_plane/step/store_bytes_written"] = float(written)
     out["data_plane/step/driver_fraction_of_store_bytes"] = float(driver) / max(written, 1.0)
