@@ -1,5 +1,8 @@
 """`relayrl parity`: run the legacy and the data-plane trainer on one config and seed, compare every step's metrics.
 
+The config's `algorithm` picks the pair: `grpo_train` / `grpo_train_sync`, or `ppo_train` / `ppo_train_sync` (then
+the `critic/*` metrics, explained variance and value grad norm included, are compared too).
+
 The two trainers differ only in where rollout tensors live, so on CPU in deterministic mode their per-step
 metrics must be identical; on multi-process backends they must agree to a tolerance. Timing, throughput and byte
 counters legitimately differ and are not compared.

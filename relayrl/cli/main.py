@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--config", help="config to evaluate with (default: the checkpoint's own config.yaml)")
     e.add_argument("overrides", nargs="*")
 
-    pa = sub.add_parser("parity", help="run the legacy and the data-plane trainer on one config; compare metrics")
+    pa = sub.add_parser(
+        "parity", help="run the legacy and the data-plane trainer (GRPO or PPO) on one config; compare metrics"
+    )
     pa.add_argument("--config", help="YAML config (default: the embedded default run)")
     pa.add_argument("--steps", type=int, default=5, help="training steps per trainer (default 5)")
     pa.add_argument("--tolerance", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)")

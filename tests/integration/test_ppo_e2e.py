@@ -1,5 +1,6 @@
 """End to end on CPU: PPO through `run_ppo` (3 steps, critic warm-up, 2 PPO epochs), SIGKILL + exact resume of
-policy and critic; and GRPO trained against a learned reward (the `reward_model` environment)."""
+policy and critic, on the legacy and the data-plane trainer; and GRPO trained against a learned reward (the
+`reward_model` environment)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ def _step_metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir):
-    overrides = _ppo_overrides(tiny_model_dir)
+@pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
+def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, data_plane):
+    """Both trainers (`ppo_train`, `ppo_train_sync`): metrics, checkpoints of policy and critic, exact resume."""
+    overrides = [*_ppo_overrides(tiny_model_dir), f"data_plane.enabled={data_plane}"]
     ref_dir = tmp_path / "uninterrupted"
     summary = run_ppo(load_config(None, overrides), ref_dir)
     assert summary["first_validation"]["step"] == 0 and summary["last_validation"]["step"] == STEPS
