@@ -12,6 +12,7 @@ and log identical metrics. What differs is only where data lives:
 from __future__ import annotations
 
 import functools
+import pickle
 import time
 from typing import Any
 
@@ -266,6 +267,8 @@ def grpo_train_sync(
             metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(
                 metrics["store_bytes_written"], 1.0
             )
+            # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
+            metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
             logger.log_metrics(dp_metrics, step)
             samples: list[dict[str, Any]] = []
             if "sample_text" in carry:  # text crossed for a few leading rows of each generation batch only

@@ -95,6 +95,27 @@ def format_keys(keys: Sequence[str], limit: int = 8) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- KVBatchMeta
+def _meta_from_wire(
+    partition_id: str,
+    packed: tuple[Any, Any, Any],
+    fields: list[str] | None,
+    extra_info: dict[str, Any],
+    task_name: str | None,
+) -> KVBatchMeta:
+    from relayrl.data_plane import meta_wire as w
+
+    keys, lengths, tags = packed
+    return KVBatchMeta(
+        partition_id,
+        w.unpack_keys(keys),
+        fields,
+        w.unpack_lengths(lengths),
+        w.unpack_tags(tags),
+        extra_info,
+        task_name,
+    )
+
+
 @dataclass
 class KVBatchMeta:
     """Handle for a batch of samples in one partition; pure metadata, picklable, cheap to ship over Ray.
@@ -122,6 +143,13 @@ class KVBatchMeta:
     @property
     def size(self) -> int:
         return len(self.keys)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle small (see meta_wire.py): the handle crosses the driver and Ray on every dispatch."""
+        from relayrl.data_plane import meta_wire as w
+
+        packed = (w.pack_keys(self.keys), w.pack_lengths(self.sequence_lengths), w.pack_tags(self.tags))
+        return (_meta_from_wire, (self.partition_id, packed, self.fields, self.extra_info, self.task_name))
 
     # ------------------------------------------------------------------ transforms (metadata only, no I/O)
     def stamp_tags(self, scalars: Mapping[str, Sequence[Any]]) -> None:
