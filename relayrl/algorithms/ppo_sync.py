@@ -37,6 +37,7 @@ from relayrl.algorithms.ppo import (
 from relayrl.config import MasterConfig
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.timer import TimeoutChecker, Timer
@@ -76,7 +77,7 @@ def ppo_train_sync(
     kl_fields = _kl_logprob_fields(cfg, skip_ref)
     rollout_actor = SyncRolloutActor(policy_generation, tokenizer, task_to_env, view, cfg.data_plane)
     carry_keys = _CARRY + (["response_token_lengths"] if p.reward_shaping.enabled else [])
-    carry_keys += ["message_log"] if cfg.logger.num_train_samples_to_log else []
+    carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
     target = p.num_prompts_per_step * p.num_generations_per_prompt
     last_metrics: dict[str, Any] = {}
 
@@ -127,11 +128,11 @@ def ppo_train_sync(
                     partition_id=value.tq_partition_id,
                     group_size=p.num_generations_per_prompt,
                     carry_keys=carry_keys,
-                    compact=True,
+                    wire=True,
+                    text_rows=cfg.logger.num_train_samples_to_log,
                 )
-                carry_bytes = _nbytes(carry)  # what crossed to the driver, in its compact wire dtypes
-                carry["total_reward"] = carry["total_reward"].float()  # [B], back to the legacy dtypes
-                carry["loss_multiplier"] = carry["loss_multiplier"].float()  # [B]
+                carry_bytes = wire_nbytes(carry)  # what crossed to the driver: its smallest exact form
+                carry = decode_carry(carry)  # per-row values, dtypes as the legacy trainer's
             with timer.time("reward_calculation"):
                 lengths = functools.partial(carry.__getitem__, "response_token_lengths")
                 rewards, _ = post_process_rewards(carry["total_reward"], carry["truncated"], lengths, cfg)  # [B]
@@ -213,12 +214,12 @@ def ppo_train_sync(
             )
             logger.log_metrics(dp_metrics, step)
             samples: list[dict[str, Any]] = []
-            if "message_log" in carry:
-                logs = carry["message_log"]
+            if "sample_text" in carry:  # text crossed for a few leading rows only
+                rows = [i for i, text in enumerate(carry["sample_text"]) if text is not None]
                 samples = sample_rows(
-                    ["".join(m["content"] for m in log if m["role"] in ("system", "user")) for log in logs],
-                    ["".join(m["content"] for m in log if m["role"] == "assistant") for log in logs],
-                    rewards,
+                    [carry["sample_text"][i][0] for i in rows],
+                    [carry["sample_text"][i][1] for i in rows],
+                    rewards[rows],
                     step,
                     cfg.logger.num_train_samples_to_log,
                 )
@@ -293,7 +294,3 @@ def _step_bytes(policy: Any, value: Any, rollout_actor: SyncRolloutActor, carry_
     out["data_plane/step/store_bytes_written"] = float(written)
     out["data_plane/step/driver_fraction_of_store_bytes"] = float(driver) / max(written, 1.0)
     return out
-
-
-def _nbytes(batch: BatchedDataDict) -> int:
-    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
