@@ -36,6 +36,7 @@ from relayrl.models.generation.fast_decoder import (
     _rms,
     _rope,
 )
+from relayrl.models.policy.packing import SharedPacking
 
 
 def backbone_of(model: nn.Module) -> Any:
@@ -200,26 +201,46 @@ class _Backbone:
     def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
         batch, seq = input_ids.shape
         pk = _Packing(input_lengths, batch, seq, input_ids.device)
+        h = self._run(input_ids, pk, None)  # [N, H]
+        return pk.unpack(h)  # [B, S, H]
+
+    def forward_selected(self, input_ids: torch.Tensor, pk: SharedPacking) -> torch.Tensor:
+        """Final hidden states [M, H] of the positions `pk` selected, row-major."""
+        h = self._run(input_ids[:, : pk.seq], pk, pk.query_index)  # [Q, H]
+        return h.index_select(0, pk.output_index)  # [M, H]
+
+    def _run(self, input_ids: torch.Tensor, pk: Any, query: torch.Tensor | None) -> torch.Tensor:
+        """Embeddings, decoder layers and final norm on packed tokens; the last layer's queries only at `query`."""
         grad = torch.is_grad_enabled()
         h = F.embedding(pk.pack(input_ids), self.embed, self.padding_idx)  # [N, H]
         if self.input_requires_grad and grad:
             h.requires_grad_(True)  # what HF's hook does to the embedding output (frozen embeddings still backprop)
-        cos, sin = self.rotary(h, torch.arange(seq, device=h.device).unsqueeze(0))  # [1, S, D], dtype of h
+        cos, sin = self.rotary(h, torch.arange(pk.seq, device=h.device).unsqueeze(0))  # [1, S, D], dtype of h
         half = self.head_dim // 2
         signed_sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [S, D]: rotate_half's sign folded
         cos_n = cos[0].index_select(0, pk.positions).unsqueeze(1)  # [N, 1, D]
         sin_n = signed_sin.index_select(0, pk.positions).unsqueeze(1)  # [N, 1, D]
-        for layer, ckpt in zip(self.layers, self.checkpoint_fns):
+        last = len(self.layers) - 1
+        for i, (layer, ckpt) in enumerate(zip(self.layers, self.checkpoint_fns)):
+            q = query if i == last else None
             if ckpt is not None and grad:
-                h = ckpt(self._layer, h, layer, cos_n, sin_n, pk)
+                h = ckpt(self._layer, h, layer, cos_n, sin_n, pk, q)
             else:
-                h = self._layer(h, layer, cos_n, sin_n, pk)
-        return pk.unpack(_rms(h, self.final_norm, self.final_eps))  # [B, S, H]
+                h = self._layer(h, layer, cos_n, sin_n, pk, q)
+        return _rms(h, self.final_norm, self.final_eps)  # [N or Q, H]
 
     def _layer(
-        self, h: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor, pk: _Packing
+        self,
+        h: torch.Tensor,
+        layer: _Layer,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pk: Any,
+        query: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One decoder layer on packed tokens h [N, H]: pre-norm attention and SwiGLU MLP, each with a residual."""
+        """One decoder layer on packed tokens h [N, H]: pre-norm attention and SwiGLU MLP, each with a residual.
+
+        With `query` [Q], only those tokens continue past attention (every token still provides K/V): [Q, H]."""
         n, d = pk.num_tokens, self.head_dim
         x = _rms(h, layer.in_norm, layer.in_eps)  # [N, H]
         q = F.linear(x, *layer.q).view(n, self.n_heads, d)
@@ -228,11 +249,13 @@ class _Backbone:
         if layer.q_norm is not None:
             q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
         a = self._attention(_rope(q, cos, sin), _rope(k, cos, sin), v, pk)  # [N, Hq * D]
+        if query is not None:
+            h, a = h.index_select(0, query), a.index_select(0, query)  # [Q, H], [Q, Hq * D]
         h = h + F.linear(a, *layer.o)
         x = _rms(h, layer.post_norm, layer.post_eps)
         return h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: _Packing) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Any) -> torch.Tensor:
         """Causal attention of packed q [N, Hq, D], k/v [N, Hkv, D] within each row; returns [N, Hq * D]."""
         b, s = pk.batch, pk.seq
         qp = pk.unpack(q).transpose(1, 2)  # [B, Hq, S, D]
@@ -252,3 +275,31 @@ def _checkpoint(function: Callable[..., Any], *args: Any) -> Any:
 def fast_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
     """The fast path itself (call `backbone_hidden_states` unless support was already checked): [B, S, H]."""
     return _Backbone(backbone_of(model)).forward(input_ids, input_lengths)
+
+
+def selected_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    select: torch.Tensor,
+    *,
+    fast: bool | None = None,
+) -> torch.Tensor:
+    """Final hidden states [M, H] of the M positions where `select` [B, S] is True (row-major), computing only what
+    they depend on (see `packing.SharedPacking`); positions at or past a row's length are never selected.
+
+    `fast` as in `backbone_hidden_states`; the HF path runs the whole batch and picks the positions.
+    """
+    reason = None if fast is False else fast_forward_unsupported(model)
+    if fast is True and reason is not None:
+        raise ValueError(f"fast=True but the fast backbone forward cannot run: {reason}")
+    batch, seq = input_ids.shape
+    cols = torch.arange(seq, device=input_ids.device)  # [S]
+    select = select.to(input_ids.device).bool() & (cols[None, :] < input_lengths.to(input_ids.device)[:, None])
+    if fast is False or reason is not None:
+        return hf_hidden_states(model, input_ids, input_lengths)[select]  # [M, H]
+    pk = SharedPacking(input_ids, input_lengths, select)
+    backbone = _Backbone(backbone_of(model))
+    if pk.num_selected == 0:
+        return backbone.embed.new_zeros(0, backbone.embed.shape[1])
+    return backbone.forward_selected(input_ids, pk)  # [M, H]

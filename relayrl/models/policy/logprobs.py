@@ -63,6 +63,26 @@ def _chunk_bounds(num_positions: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, num_positions)) for s in range(0, num_positions, chunk_size)]
 
 
+def _target_logprobs(
+    h: torch.Tensor,  # [..., H]
+    tgt: torch.Tensor,  # [...]
+    lm_head: LMHead,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    want_unfiltered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(filtered log-prob, unfiltered log-prob) of each target, [...] each (the same tensor unless `want_unfiltered`)."""
+    logits = lm_head(h).float() / temperature  # [..., V]
+    plain = None
+    if want_unfiltered:
+        plain = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [...]
+    if filtering_active(top_k, top_p):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    lp = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [...]
+    return lp, (plain if plain is not None else lp)
+
+
 def next_token_logprobs(
     hidden: torch.Tensor,  # [B, S, H] final hidden states (after the final norm)
     lm_head: LMHead,
@@ -91,14 +111,7 @@ def next_token_logprobs(
     targets = input_ids[:, 1:].to(hidden.device)  # [B, S-1]
 
     def chunk_fn(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = lm_head(h).float() / temperature  # [B, C, V]
-        plain = None
-        if want_unfiltered:
-            plain = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [B, C]
-        if filtered:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        lp = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [B, C]
-        return lp, (plain if plain is not None else lp)
+        return _target_logprobs(h, tgt, lm_head, temperature, top_k, top_p, want_unfiltered)
 
     if chunk_size is None:
         vocab = _vocab_size(lm_head, hidden)
@@ -118,6 +131,43 @@ def next_token_logprobs(
     if not return_unfiltered:
         return logprobs, None
     return logprobs, (torch.cat(plains, dim=1) if want_unfiltered else logprobs)
+
+
+def selected_logprobs(
+    hidden: torch.Tensor,  # [M, H] final hidden states of the selected positions
+    lm_head: LMHead,
+    targets: torch.Tensor,  # [M] the token each position predicts
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    chunk_size: int | None = None,
+    return_unfiltered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`next_token_logprobs` for packed positions: float32 [M] (and the unfiltered copy when asked), `chunk_size`
+    positions at a time, each chunk recomputed in backward when there are several."""
+    filtered = filtering_active(top_k, top_p)
+    want_unfiltered = return_unfiltered and filtered
+    num = hidden.shape[0]
+    targets = targets.to(hidden.device)
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(1, _vocab_size(lm_head, hidden))
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and num > chunk_size
+    outs, plains = [], []
+    for start, end in _chunk_bounds(num, chunk_size):
+        args = (hidden[start:end], targets[start:end], lm_head, temperature, top_k, top_p, want_unfiltered)
+        lp, plain = checkpoint(_target_logprobs, *args, use_reentrant=False) if recompute else _target_logprobs(*args)
+        outs.append(lp)
+        plains.append(plain)
+    if not outs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if return_unfiltered else None)
+    logprobs = torch.cat(outs) if len(outs) > 1 else outs[0]  # [M]
+    if not return_unfiltered:
+        return logprobs, None
+    if not want_unfiltered:
+        return logprobs, logprobs
+    return logprobs, (torch.cat(plains) if len(plains) > 1 else plains[0])
 
 
 def topk_logits(

@@ -1,0 +1,86 @@
+"""Which tokens of a right-padded batch a selective forward must compute, each computed once.
+
+`SharedPacking` serves `fast_forward.selected_hidden_states`: the caller names the positions whose final hidden state
+it needs (e.g. the positions that predict a loss-carrying token), and the packing keeps exactly the work that feeds
+them, with every token's result unchanged:
+
+* Truncation: a causal model's state at position t depends on positions <= t only, so each row is cut after its last
+  selected position (a row's last token never predicts anything; neither do loss-free trailing tokens).
+* Prefix sharing: two rows whose first t+1 tokens are equal have equal states at positions <= t in every layer (GRPO's
+  generations of one prompt share the whole prompt). Such a token is computed once, by the lowest-index row that has
+  it, and every row that shares it reads that copy (attention gathers its K/V per row; in backward the gather sums
+  the rows' gradients, exactly the sum the repeated computation would have accumulated).
+* Last-layer queries: the last decoder layer needs K/V for every kept token but attention output, MLP and final norm
+  only at the tokens the caller selected (`query_index`).
+
+Tensors move between the packed layout [N, ...] (the N distinct kept tokens, row-major by owner position) and the
+padded per-row layout [B, S', ...] (S' = the longest kept row) that attention uses. Padded slots past a row's kept
+length read packed token 0: with right padding a causal mask keeps every real query off them, and the outputs of
+those slots are never packed back, so their values (and zero gradients) never reach a kept token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SharedPacking:
+    """Kept and distinct tokens of right-padded `input_ids` [B, S] for the positions `select` [B, S] (bool)."""
+
+    def __init__(self, input_ids: torch.Tensor, input_lengths: torch.Tensor, select: torch.Tensor) -> None:
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        cols = torch.arange(seq, device=device)  # [S]
+        lengths = input_lengths.to(device).clamp(0, seq)  # [B]
+        select = select.to(device=device, dtype=torch.bool) & (cols[None, :] < lengths[:, None])  # [B, S]
+        # Kept length of each row: through its last selected position (0 when nothing is selected).
+        kept = torch.where(select.any(1), seq - select.flip(1).int().argmax(1), 0)  # [B]
+        self.batch, self.seq = batch, max(int(kept.max()) if batch else 0, 1)
+        s = self.seq
+        ids, keep = input_ids[:, :s], cols[None, :s] < kept[:, None]  # [B, S'] each
+        owner = _prefix_owners(ids, kept)  # [B, S'] lowest row that computes the same token (itself if none lower)
+        rows = torch.arange(batch, device=device)
+        distinct = keep & (owner == rows[:, None])  # [B, S'] tokens computed here
+        flat_distinct = distinct.view(-1)
+        self.index = flat_distinct.nonzero().squeeze(1)  # [N] flat b*S'+t of each distinct token
+        self.num_tokens = int(self.index.shape[0])
+        self.positions = self.index % s  # [N] position id of each packed token
+        packed_of_flat = torch.cumsum(flat_distinct.long(), 0) - 1  # [B*S'] packed index where distinct
+        source = (owner * s + cols[None, :s]).view(-1)  # [B*S'] flat slot of each slot's owner token
+        slot = packed_of_flat.index_select(0, source)  # [B*S'] packed token each slot reads
+        self.slot = torch.where(keep.view(-1), slot, torch.zeros_like(slot))  # padding reads token 0
+        # Selected positions (row-major) -> their packed token; the last layer computes queries for those only.
+        selected_packed = self.slot[select[:, :s].reshape(-1)]  # [M]
+        self.query_index, self.output_index = torch.unique(selected_packed, return_inverse=True)  # [Q], [M]
+        self.num_selected = int(selected_packed.shape[0])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S', ...] -> [N, ...]: the distinct tokens."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, S', ...]: every row's view of its tokens (padding slots hold token 0's values)."""
+        return x.index_select(0, self.slot).view(self.batch, self.seq, *x.shape[1:])
+
+
+#: Elements of one [rows, B, S'] comparison block when finding shared prefixes (bounds the memory of a big batch).
+COMPARE_BLOCK_ELEMENTS = 1 << 24
+
+
+def _prefix_owners(ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """owner[b, t] = the lowest row o with ids[o, :t+1] == ids[b, :t+1] and kept[o] > t (b itself when t < kept[b]).
+
+    ids [B, S'], kept [B]. Row o can serve row b at position t exactly when r[b, o] = min(lcp(b, o), kept[o]) > t,
+    so the owner is the first o whose running maximum of r[b, :o+1] exceeds t: a sorted search per row. Memory is
+    O(B^2) plus one comparison block; values at t >= kept[b] are unspecified (in range).
+    """
+    batch, seq = ids.shape
+    lcp = torch.empty((batch, batch), dtype=torch.long, device=ids.device)  # [B, B] common prefix length
+    block = max(1, COMPARE_BLOCK_ELEMENTS // max(1, batch * seq))
+    for a in range(0, batch, block):
+        differ = ids[a : a + block, None, :] != ids[None, :, :]  # [blk, B, S']
+        first = differ.int().argmax(2)  # [blk, B] first differing position (0 when none differs)
+        lcp[a : a + block] = torch.where(differ.any(2), first, seq)
+    reach = torch.minimum(lcp, kept[None, :]).cummax(1).values  # [B, B] non-decreasing along o
+    t = torch.arange(seq, device=ids.device).expand(batch, seq).contiguous()  # [B, S']
+    return torch.searchsorted(reach, t, right=True).clamp(max=batch - 1)  # [B, S']
