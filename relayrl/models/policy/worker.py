@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -31,7 +32,7 @@ from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.models.optim import all_reduce_clip_and_step, train_global_batches
 from relayrl.models.policy import logprobs as lp_ops
-from relayrl.models.policy.fast_forward import backbone_hidden_states
+from relayrl.models.policy.fast_forward import backbone_hidden_states, selected_hidden_states
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
 
@@ -202,23 +203,43 @@ class PolicyWorker:
         return backbone_hidden_states(model, input_ids, input_lengths)
 
     def _next_token_logprobs(
-        self, model: PreTrainedModel, mb: BatchedDataDict, *, filtered: bool, return_unfiltered: bool = False
+        self,
+        model: PreTrainedModel,
+        mb: BatchedDataDict,
+        select: torch.Tensor,
+        *,
+        filtered: bool,
+        return_unfiltered: bool = False,
+        fill: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Temperature-scaled (and, if `filtered`, top-k/top-p filtered) next-token log-probs [B, S-1]."""
+        """Temperature-scaled (and, if `filtered`, top-k/top-p filtered) next-token log-probs [B, S-1].
+
+        Only the positions where `select` [B, S-1] is True are computed, and only the work they depend on (each row
+        cut after its last selected position, shared prompt prefixes computed once, the last layer's MLP and the head
+        at selected positions only; see `packing.SharedPacking`). Other positions hold `fill` [B, S-1] (zeros if None).
+        """
         gen = self.cfg.generation
-        input_ids, lengths = mb["input_ids"], mb["input_lengths"]
+        input_ids, lengths = mb["input_ids"], mb["input_lengths"]  # [B, S], [B]
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq - 1, device=input_ids.device)  # [S-1]
+        select = select.to(input_ids.device).bool() & (positions[None, :] < lengths.to(input_ids.device)[:, None] - 1)
+        rows_per_chunk = self.cfg.logprob_chunk_size * batch if self.cfg.logprob_chunk_size else None
         with dev.autocast(self.device, self.cfg.precision):
-            hidden = self._hidden(model, input_ids, lengths)  # [B, S, H]
-            return lp_ops.next_token_logprobs(
+            hidden = selected_hidden_states(model, input_ids, lengths, F.pad(select, (0, 1)))  # [M, H]
+            lp, plain = lp_ops.selected_logprobs(
                 hidden,
                 self._lm_head(model),
-                input_ids,
+                input_ids[:, 1:][select],  # [M] targets
                 temperature=self.temperature,
                 top_k=gen.top_k if filtered else None,
                 top_p=gen.top_p if filtered else 1.0,
-                chunk_size=self._chunk_size(input_ids.shape[0], model),
+                chunk_size=rows_per_chunk,
                 return_unfiltered=return_unfiltered,
-            )
+            )  # [M]
+        base = torch.zeros(batch, seq - 1) if fill is None else fill.float()  # [B, S-1]
+        base = base.to(lp.device)
+        full = base.masked_scatter(select.to(lp.device), lp)  # [B, S-1]
+        return full, (None if plain is None else base.masked_scatter(select.to(lp.device), plain))
 
     @property
     def filtering(self) -> bool:
@@ -268,12 +289,14 @@ class PolicyWorker:
         outs = [torch.zeros(0, data["input_ids"].shape[1])]
         with self._mode(model, False), torch.no_grad():
             for mb in self._micro_batches(data, mbs, device):
-                lp, _ = self._next_token_logprobs(model, mb, filtered=filtered)  # [b, S-1]
-                if filtered:  # -inf (sampled token outside the kept set) and masked positions -> 0
-                    keep = mb["token_mask"][:, 1:] if "token_mask" in mb else None
+                keep = torch.ones_like(mb["input_ids"][:, 1:], dtype=torch.bool)  # [b, S-1]
+                if filtered:  # only loss positions are kept (the rest would be zeroed)
+                    if "token_mask" in mb:
+                        keep &= mb["token_mask"][:, 1:].bool()
                     if "sample_mask" in mb:
-                        sample = mb["sample_mask"].bool()[:, None]  # [b, 1]
-                        keep = sample if keep is None else keep.bool() & sample
+                        keep &= mb["sample_mask"].bool()[:, None]
+                lp, _ = self._next_token_logprobs(model, mb, keep, filtered=filtered)  # [b, S-1]
+                if filtered:  # -inf (sampled token outside the kept set) -> 0
                     lp = lp_ops.zero_invalid(lp, keep)
                 outs.append(lp_ops.token_aligned(lp, mb["input_lengths"]).float().cpu())  # [b, S]
         return torch.cat(outs)  # [B, S]
@@ -344,11 +367,14 @@ class PolicyWorker:
         def microbatch_loss(
             mb: BatchedDataDict, global_seqs: torch.Tensor, global_toks: torch.Tensor
         ) -> tuple[torch.Tensor, dict[str, Any]]:
+            keep = mb["token_mask"][:, 1:].bool() & mb["sample_mask"].bool()[:, None]  # [b, S-1] loss positions
+            # Only loss positions are computed; the others (multiplied by a zero mask in every loss) hold the
+            # previous policy's log-probs, so ratios there stay finite (1) instead of exp(-prev) overflowing.
+            fill = mb["prev_logprobs"][:, 1:] if "prev_logprobs" in mb else None
             lp, plain = self._next_token_logprobs(
-                self.model, mb, filtered=self.filtering, return_unfiltered=self.filtering
+                self.model, mb, keep, filtered=self.filtering, return_unfiltered=self.filtering, fill=fill
             )  # [b, S-1]
             if self.filtering:
-                keep = mb["token_mask"][:, 1:].bool() & mb["sample_mask"].bool()[:, None]
                 lp = lp_ops.zero_invalid(lp, keep)
                 mb["curr_logprobs_unfiltered"] = plain
             return loss_fn(lp, mb, global_seqs, global_toks)
