@@ -77,7 +77,9 @@ def grpo_train_sync(
     estimator = build_advantage_estimator(g, cfg.loss_fn)
     skip_prev, skip_ref = resolve_logprob_skip_flags(cfg)
     train_fields = _train_fields_for_step(skip_prev, skip_ref)
-    rollout_actor = SyncRolloutActor(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
+    from relayrl.experience.ray_rollout import rollout_actor_cls  # a Ray actor on the Ray executor
+
+    rollout_actor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
     carry_keys = _CARRY + (["response_token_lengths"] if g.reward_shaping.enabled else [])
     carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
     target = g.num_prompts_per_step * g.num_generations_per_prompt

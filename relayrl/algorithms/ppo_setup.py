@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from relayrl.algorithms.setup import GRPOComponents, SetupError, check_trainer_executor, load_tokenizer, summarize_run
+from relayrl.algorithms.setup import (
+    GRPOComponents,
+    SetupError,
+    build_generation,
+    check_trainer_executor,
+    load_tokenizer,
+    start_ray_for_run,
+    summarize_run,
+)
 from relayrl.config import MasterConfig
 from relayrl.utils.checkpoint import CheckpointManager, load_save_state
 from relayrl.utils.config_io import dump_config
@@ -64,7 +72,6 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
     from relayrl.environments.registry import build_environments
     from relayrl.environments.reward_model_registry import ensure_reward_model_env_registered
     from relayrl.experience.data import build_dataloaders
-    from relayrl.models.generation.hf_generation import HfGeneration
     from relayrl.models.policy.lm_policy import Policy
     from relayrl.models.value.lm_value import Value
 
@@ -84,6 +91,7 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
     tokenizer = load_tokenizer(cfg)
     _check_value_vocabulary(cfg, tokenizer)
     dataloader, val_dataloader = build_dataloaders(view, tokenizer)
+    start_ray_for_run(cfg)
     checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
     last = checkpointer.get_latest_checkpoint_path()
     save_state = load_save_state(checkpointer.load_training_info(last) if last else None)
@@ -133,15 +141,12 @@ def setup_ppo(cfg: MasterConfig, run_dir: Path) -> PPOComponents:
         policy.shutdown()
         raise
 
-    generation_source: Any = policy.generation_source  # rank 0's worker: the colocated engine reads its weights
-    policy_generation = HfGeneration(
-        cfg.policy.generation,
-        tokenizer,
-        generation_source,
-        device=policy.device,
-        max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        seed=p.seed,
-    )
+    try:
+        policy_generation = build_generation(cfg, tokenizer, policy, p.seed)
+    except BaseException:
+        value.shutdown()
+        policy.shutdown()
+        raise
     task_to_env = build_environments(cfg, _task_names(dataloader, val_dataloader))
 
     logger = Logger(cfg.logger, run_dir, total_steps=p.max_num_steps, start_step=save_state.total_steps)

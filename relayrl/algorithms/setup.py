@@ -59,12 +59,54 @@ def load_tokenizer(cfg: MasterConfig) -> Any:
 
 
 def check_trainer_executor(cfg: MasterConfig) -> None:
-    """The trainers drive a colocated in-process generation engine: refuse Ray before any worker is started."""
-    if cfg.cluster.executor != "local":
+    """Refuse, before any worker starts, the executor set-ups that cannot work."""
+    c = cfg.cluster
+    if c.executor == "ray" and cfg.policy.generation.colocated.enabled and c.gpus_per_worker > 0:
         raise ValueError(
-            "cluster.executor=ray: the GRPO/PPO trainers do not run on Ray yet (Ray generation workers are pending); "
-            "use cluster.executor=local (Policy and Value themselves do run on Ray from Python)"
+            "cluster.executor=ray with GPUs: colocated generation workers would need the policy's GPUs a second time; "
+            "set policy.generation.colocated.enabled=false and policy.generation.colocated.resources.*"
         )
+
+
+def start_ray_for_run(cfg: MasterConfig) -> None:
+    """Start (or join) Ray sized for every worker group of the run: policy, value (PPO) and generation ranks."""
+    if cfg.cluster.executor != "ray":
+        return
+    from relayrl.distributed.ray_executor import ensure_ray
+    from relayrl.models.generation.distributed import generation_cluster
+
+    c = cfg.cluster
+    gen = generation_cluster(cfg.policy.generation, c)
+    ranks = c.num_nodes * c.workers_per_node * (2 if cfg.algorithm == "ppo" else 1)
+    ranks += gen.num_nodes * gen.workers_per_node
+    ensure_ray(c.model_copy(update={"num_nodes": 1, "workers_per_node": ranks}))
+
+
+def build_generation(cfg: MasterConfig, tokenizer: Any, policy: Any, seed: int) -> Any:
+    """The generation engine: in-process over the policy's live weights (local executor), or Ray generation
+    workers kept in sync by refit (Ray executor)."""
+    if cfg.cluster.executor == "ray":
+        from relayrl.models.generation.distributed import DistributedGeneration
+
+        return DistributedGeneration(
+            cfg.policy.generation,
+            tokenizer,
+            policy,
+            cluster=cfg.cluster,
+            policy_config=cfg.policy,
+            max_total_sequence_length=cfg.policy.max_total_sequence_length,
+            seed=seed,
+        )
+    from relayrl.models.generation.hf_generation import HfGeneration
+
+    return HfGeneration(
+        cfg.policy.generation,
+        tokenizer,
+        policy.generation_source,  # rank 0's worker: the colocated engine reads its weights in place
+        device=policy.device,
+        max_total_sequence_length=cfg.policy.max_total_sequence_length,
+        seed=seed,
+    )
 
 
 def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
@@ -73,7 +115,6 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.environments.registry import build_environments
     from relayrl.experience.data import build_dataloaders
-    from relayrl.models.generation.hf_generation import HfGeneration
     from relayrl.models.policy.lm_policy import Policy
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +126,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     tokenizer = load_tokenizer(cfg)
     dataloader, val_dataloader = build_dataloaders(cfg, tokenizer)
+    start_ray_for_run(cfg)
     checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
     last = checkpointer.get_latest_checkpoint_path()
     save_state = load_save_state(checkpointer.load_training_info(last) if last else None)
@@ -108,14 +150,11 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         )
         dataloader.load_state_dict(torch.load(last / "train_dataloader.pt", weights_only=False))
 
-    policy_generation = HfGeneration(
-        cfg.policy.generation,
-        tokenizer,
-        policy.generation_source,
-        device=policy.device,
-        max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        seed=cfg.grpo.seed,
-    )
+    try:
+        policy_generation = build_generation(cfg, tokenizer, policy, cfg.grpo.seed)
+    except BaseException:
+        policy.shutdown()
+        raise
     task_to_env = build_environments(cfg)
     loss_fn = ClippedPGLossFn(effective_loss_config(cfg))
 

@@ -37,6 +37,11 @@ SEQ_ERROR_FIELDS: tuple[str, ...] = (TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, GEN
 class TQPolicyWorker(PolicyWorker, DataPlaneWorkerMixin):
     """One data-parallel rank of a `TQPolicy`. Adds no construction state: attach with `setup_data_plane`."""
 
+    def _local_coords(self) -> dict[str, int]:
+        """Pure data parallelism (no tensor/context/pipeline axes): every rank leads its own replica and writes
+        back its own keys, also under torch.distributed (the Ray executor)."""
+        return {}
+
     # ------------------------------------------------------------------ logprob-style passes
     def get_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Policy log-probs of this rank's keys, written back as `prev_logprobs`. Returns None."""

@@ -1,0 +1,146 @@
+"""The rollout actor on the Ray executor: `SyncRolloutActor` hosted in a Ray actor process.
+
+On Ray the generation workers are actors too, so a rollout run in the driver would pull every generated batch into
+the driver only to write it to the store again. Hosted as an actor, `rollout_to_tq` gathers the generation
+workers' outputs, scores and flattens them, and writes the bulk to the (Ray) data plane itself; the driver gets
+back what the local `SyncRolloutActor` returns (a meta and per-row scalars).
+
+The actor samples with a copy of the driver's `DistributedGeneration` (its workers and generator state; the
+refit stays with the driver's engine, which still calls `prepare_for_generation`). While the actor lives, the
+driver engine's `get_rng_state` / `set_rng_state` reach the actor's generator, so checkpoints keep an exact resume;
+`shutdown` hands the stream back to the driver's engine.
+
+Ray is imported only when the Ray executor is selected.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+from relayrl.config import DataPlaneConfig, MasterConfig
+from relayrl.experience.sync_rollout_actor import SyncRolloutActor
+
+
+def rollout_actor_cls(cfg: MasterConfig) -> Any:
+    """The rollout actor class for the run's executor: `SyncRolloutActor` (local) or `RayRolloutActor` (Ray)."""
+    return RayRolloutActor if cfg.cluster.executor == "ray" else SyncRolloutActor
+
+
+class _HostedRolloutActor(SyncRolloutActor):
+    """`SyncRolloutActor` inside the Ray actor, plus access to its generation engine's sampling stream."""
+
+    def __init__(
+        self,
+        policy_generation: Any,
+        tokenizer: Any,
+        envs: tuple[str, Any],
+        master_config: MasterConfig,
+        dp_cfg: DataPlaneConfig,
+        *,
+        torch_num_threads: int | None,
+        deterministic: bool,
+    ) -> None:
+        from relayrl.utils import device as dev
+
+        dev.apply_runtime_settings(deterministic, torch_num_threads)
+        kind, payload = envs
+        if kind == "pickled":
+            task_to_env = pickle.loads(payload)
+        else:  # environments holding locks or pools: built here, from the registry, for the same task names
+            from relayrl.environments.registry import create_task_to_env
+
+            task_to_env = create_task_to_env(payload, master_config.env)
+        super().__init__(policy_generation, tokenizer, task_to_env, master_config, dp_cfg)
+
+    def shutdown(self) -> bool:
+        for env in self.task_to_env.values():
+            env.shutdown()
+        return super().shutdown()
+
+    def get_rng_state(self) -> torch.Tensor:
+        return self.policy_generation.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.policy_generation.set_rng_state(state)
+
+    def rollout(self, input_batch: Any, kwargs: dict[str, Any]) -> Any:
+        names = kwargs.pop("task_to_env_override_names", None)
+        if names is not None:  # the driver's override, by task name: this actor's own environments
+            from relayrl.environments.registry import create_env
+
+            for name in names:
+                if name not in self.task_to_env:
+                    self.task_to_env[name] = create_env(name, self.master_config.env)
+            kwargs["task_to_env_override"] = {name: self.task_to_env[name] for name in names}
+        return self.rollout_to_tq(input_batch, **kwargs)
+
+    def ready(self) -> bool:
+        return True
+
+
+class RayRolloutActor:
+    """Driver-side handle with `SyncRolloutActor`'s calls, running them in a Ray actor."""
+
+    def __init__(
+        self,
+        policy_generation: Any,
+        tokenizer: Any,
+        task_to_env: dict[str, Any],
+        master_config: MasterConfig,
+        dp_cfg: DataPlaneConfig,
+    ) -> None:
+        import ray
+
+        if not hasattr(policy_generation, "delegate_rng"):
+            raise TypeError("RayRolloutActor needs Ray generation workers (DistributedGeneration)")
+        self._ray = ray
+        c = master_config.cluster
+        actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_HostedRolloutActor)
+        try:
+            envs: tuple[str, Any] = ("pickled", ray.cloudpickle.dumps(task_to_env))
+        except (TypeError, pickle.PicklingError):
+            envs = ("names", list(task_to_env))
+        self._actor = actor_cls.remote(
+            policy_generation,  # pickled as a copy: workers + generator state, never the policy
+            tokenizer,
+            envs,
+            master_config,
+            dp_cfg,
+            torch_num_threads=c.torch_num_threads,
+            deterministic=c.deterministic,
+        )
+        ray.get(self._actor.ready.remote())
+        self._generation = policy_generation
+        policy_generation.delegate_rng(self)  # from now on the actor's generator is the live one
+        self._closed = False
+
+    def rollout_to_tq(self, input_batch: Any, **kwargs: Any) -> Any:
+        """`SyncRolloutActor.rollout_to_tq` in the actor; an environment override travels as its task names."""
+        override = kwargs.pop("task_to_env_override", None)
+        if override is not None:
+            kwargs["task_to_env_override_names"] = list(override)
+        return self._ray.get(self._actor.rollout.remote(input_batch, kwargs))
+
+    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
+        return self._ray.get(self._actor.data_plane_metrics.remote(reset))
+
+    def get_rng_state(self) -> torch.Tensor:
+        return self._ray.get(self._actor.get_rng_state.remote())
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._ray.get(self._actor.set_rng_state.remote(state))
+
+    def shutdown(self) -> bool:
+        """Take the sampling stream back into the driver's engine, detach the actor from the store, stop it."""
+        if self._closed:
+            return True
+        self._closed = True
+        try:
+            self._generation.delegate_rng(None)
+            self._ray.get(self._actor.shutdown.remote())
+        finally:
+            self._ray.kill(self._actor, no_restart=True)
+        return True
