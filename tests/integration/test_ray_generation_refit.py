@@ -1,0 +1,151 @@
+"""Ray generation workers refitted from a 2-rank Ray policy after a training step, by both refit methods.
+
+After the refit every generation worker holds the policy's weights bit for bit, and greedy generation on the
+workers gives the tokens one engine gives on the policy's weights, with log-probs equal to `Policy.get_logprobs`
+(T=1) on the generated sequences.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from relayrl.config import ClusterConfig, PolicyConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.generation.distributed import DistributedGeneration
+from relayrl.models.generation.hf_generation import HfGeneration
+from relayrl.models.policy.lm_policy import Policy
+from relayrl.models.policy.worker import load_causal_lm
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = ["12+34=", "7-3=", "hello world!", "ab", "99-1=", "x"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    if ray.is_initialized():
+        yield
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class _Source:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.weights_version = 0
+
+
+def config(model_dir: Path, colocated: dict[str, Any]) -> PolicyConfig:
+    return PolicyConfig.model_validate(
+        dict(
+            model_name=str(model_dir),
+            train_global_batch_size=4,
+            train_micro_batch_size=2,
+            optimizer={"kwargs": {"lr": 1e-2}},
+            generation={"max_new_tokens": 8, "colocated": colocated},
+        )
+    )
+
+
+def train_once(policy: Policy, vocab: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 5, 7, 3])
+    real = torch.arange(9)[None] < lengths[:, None]
+    data = BatchedDataDict(
+        input_ids=torch.randint(2, vocab, (4, 9), generator=g).masked_fill(~real, 0),  # [B, S]
+        input_lengths=lengths,
+        token_mask=real.float(),
+        sample_mask=torch.ones(4),
+        advantages=torch.randn(4, 1, generator=g).expand(4, 9).clone(),
+    )
+    from relayrl.algorithms.loss_functions import ClippedPGLossFn
+    from relayrl.config import ClippedPGLossConfig
+
+    data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    data["generation_logprobs"] = data["prev_logprobs"].clone()
+    data["reference_policy_logprobs"] = data["prev_logprobs"].clone()
+    policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
+
+
+def prompts(tokenizer: Any) -> BatchedDataDict:
+    encoded = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ids = torch.full((len(encoded), max(map(len, encoded))), tokenizer.pad_token_id, dtype=torch.long)  # [B, S]
+    for i, e in enumerate(encoded):
+        ids[i, : len(e)] = torch.tensor(e)
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(e) for e in encoded]))
+
+
+def check_refit(gen: DistributedGeneration, policy: Policy, cfg: PolicyConfig, tokenizer: Any) -> dict[str, float]:
+    """Refit, then: bit-identical weights; greedy tokens as one engine on the policy's weights; logprobs as
+    Policy.get_logprobs."""
+    live = {k: v.detach().clone() for k, v in policy.state_dict_for_refit().items()}
+    assert any(not torch.equal(v, gen.worker_state_dicts()[0][k]) for k, v in live.items())  # stale before
+    gen.prepare_for_generation()
+    for weights in gen.worker_state_dicts():
+        assert weights.keys() == live.keys()
+        assert all(torch.equal(v, weights[k]) for k, v in live.items())
+    metrics = gen.refit_metrics()
+
+    batch = prompts(tokenizer)
+    out = gen.generate(batch, greedy=True)
+    model = load_causal_lm(cfg)
+    model.load_state_dict(live)
+    ref = HfGeneration(cfg.generation, tokenizer, _Source(model)).generate(batch, greedy=True)
+    assert torch.equal(out["output_ids"], ref["output_ids"])
+    assert torch.equal(out["generation_lengths"], ref["generation_lengths"])
+
+    seqs = BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+    policy_lp = policy.get_logprobs(seqs)["logprobs"]  # [B, W], token-aligned like the generation logprobs
+    cols = torch.arange(out["output_ids"].shape[1])[None]
+    generated = (cols >= batch["input_lengths"][:, None]) & (cols < out["unpadded_sequence_lengths"][:, None])
+    assert int(generated.sum()) > len(PROMPTS)
+    diff = (out["logprobs"] - policy_lp).abs()[generated].max()
+    assert diff <= 1e-4, f"generation logprobs differ from Policy.get_logprobs by {float(diff)}"
+    return metrics
+
+
+def test_both_refit_methods_after_a_training_step(
+    ray_cluster: None, tiny_model_dir: Path, char_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))  # ZMQ IPC sockets private to this test
+    cluster = ClusterConfig(executor="ray", workers_per_node=2)
+    results = {}
+    for name, colocated in (
+        ("zmq_ipc", {"enabled": True}),
+        ("collective", {"enabled": False, "resources": {"num_nodes": 1, "workers_per_node": 2}}),
+    ):
+        cfg = config(tiny_model_dir, colocated)
+        policy = Policy(cfg, char_tokenizer, cluster=cluster, init_reference_model=False)
+        try:
+            gen = DistributedGeneration(
+                cfg.generation, char_tokenizer, policy, cluster=cluster, policy_config=cfg, seed=3
+            )
+            try:
+                assert gen.world_size == 2
+                gen.prepare_for_generation()  # the workers start from the policy's weights too
+                train_once(policy, len(char_tokenizer))
+                results[name] = check_refit(gen, policy, cfg, char_tokenizer)
+                assert gen.refit_metrics()["refit/total_count"] == 2
+            finally:
+                gen.shutdown()
+        finally:
+            policy.shutdown()
+    for name, m in results.items():
+        print(
+            f"refit {name}: {m['refit/time_s'] * 1e3:.1f} ms for {m['refit/bytes'] / 2**20:.2f} MB received "
+            f"({m['refit/ms_per_mb']:.1f} ms/MB)"
+        )
+        assert m["refit/bytes"] > 0
