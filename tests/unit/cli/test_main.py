@@ -84,6 +84,12 @@ def test_subprocess_has_no_traceback(tmp_path):
     assert not Path(tmp_path / "runs").exists()
 
 
-def test_ray_executor_for_trainers_is_refused_clearly(capsys, tmp_path):
-    code, err = _run(capsys, ["train", "--run-dir", str(tmp_path / "r"), "cluster.executor=ray"])
-    assert code == 2 and "cluster.executor=ray" in err and len(err.splitlines()) == 1
+def test_ray_combinations_that_cannot_work_are_refused_clearly(capsys, tmp_path):
+    """Refused in one line before any worker (or Ray) starts."""
+    run_dir = ["train", "--run-dir", str(tmp_path / "r"), "cluster.executor=ray"]
+    code, err = _run(capsys, [*run_dir, "cluster.gpus_per_worker=1"])  # colocated generation on GPUs
+    assert code == 2 and "cluster.executor=ray with GPUs" in err and len(err.splitlines()) == 1
+    code, err = _run(capsys, [*run_dir, "data_plane.backend=memory"])  # an in-process store for Ray workers
+    assert code == 2 and "data_plane.backend=memory" in err and len(err.splitlines()) == 1
+    code, err = _run(capsys, [*run_dir, "policy.generation.colocated.enabled=false"])  # no generation workers
+    assert code == 2 and "colocated.resources" in err and len(err.splitlines()) == 1
