@@ -82,11 +82,18 @@ def _train(args: argparse.Namespace) -> int:
     else:
         run_dir = next_run_dir("runs")
     from relayrl.algorithms.setup import SetupError, run_training
+    from relayrl.distributed.errors import WorkerDiedError
 
     try:
         summary = run_training(cfg, run_dir)
     except SetupError as exc:
         return _fail(str(exc))
+    except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
+        print(
+            f"relayrl: error: {exc}; `relayrl train --run-dir {run_dir}` resumes from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     _print_summary(summary)
     return 0
 

@@ -29,15 +29,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import ClusterConfig
+from relayrl.distributed.errors import WorkerDiedError
 
 W = TypeVar("W")
 
 # Driver env vars forwarded to every rank (a joined cluster's workers do not inherit the driver's environment).
 _FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "RELAYRL_", "CUBLAS_", "NCCL_", "GLOO_", "TORCH_")
-
-
-class WorkerDiedError(RuntimeError):
-    """A rank's process is gone; the message names the rank. The group is unusable afterwards."""
 
 
 def ensure_ray(cluster: ClusterConfig) -> bool:
