@@ -220,6 +220,9 @@ class StepTail:
         rows = g.num_prompts_per_step * g.num_generations_per_prompt
         perf = {"samples_per_sec": rows / step_time, "tokens_per_sec": metrics["total_num_tokens"] / step_time}
         self.logger.log_metrics(perf, step, prefix="performance")
+        refit_metrics = getattr(self.policy_generation, "refit_metrics", None)
+        if callable(refit_metrics):  # separate generation workers (Ray): refit/* time, bytes, ms per MB
+            self.logger.log_metrics(refit_metrics(), step)
         if samples:
             self.logger.log_jsonl(samples, "samples.jsonl")
         timer.reset()

@@ -17,7 +17,7 @@ from typing import Any
 
 from relayrl.config import MasterConfig
 
-_NOT_COMPARED = ("timing/", "performance/", "data_plane/")
+_NOT_COMPARED = ("timing/", "performance/", "data_plane/", "refit/")
 _NOT_COMPARED_NAMES = ("per_sec", "bytes", "fraction")
 
 

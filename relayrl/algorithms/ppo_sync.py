@@ -38,6 +38,7 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
+from relayrl.experience.ray_rollout import rollout_actor_cls
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.timer import TimeoutChecker, Timer
@@ -75,7 +76,7 @@ def ppo_train_sync(
     skip_ref = not cfg.reference_model_needed
     train_fields = [f for f in DP_TRAIN_FIELDS if not (skip_ref and f == REFERENCE_POLICY_LOGPROBS)]
     kl_fields = _kl_logprob_fields(cfg, skip_ref)
-    rollout_actor = SyncRolloutActor(policy_generation, tokenizer, task_to_env, view, cfg.data_plane)
+    rollout_actor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, view, cfg.data_plane)
     carry_keys = _CARRY + (["response_token_lengths"] if p.reward_shaping.enabled else [])
     carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
     target = p.num_prompts_per_step * p.num_generations_per_prompt

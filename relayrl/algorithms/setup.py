@@ -61,12 +61,6 @@ def load_tokenizer(cfg: MasterConfig) -> Any:
 def check_trainer_executor(cfg: MasterConfig) -> None:
     """Refuse, before any worker starts, the executor set-ups that cannot work."""
     c = cfg.cluster
-    ranks = c.num_nodes * c.workers_per_node
-    if c.executor == "ray" and cfg.algorithm == "ppo" and cfg.data_plane.enabled and ranks > 1:
-        raise ValueError(
-            "algorithm=ppo with data_plane.enabled=true on Ray supports one worker only for now (the value workers' "
-            "data-plane write-back is not rank-aware); set data_plane.enabled=false or cluster.workers_per_node=1"
-        )
     if c.executor == "ray" and cfg.policy.generation.colocated.enabled and c.gpus_per_worker > 0:
         raise ValueError(
             "cluster.executor=ray with GPUs: colocated generation workers would need the policy's GPUs a second time; "

@@ -89,10 +89,11 @@ def _train(args: argparse.Namespace) -> int:
     except SetupError as exc:
         return _fail(str(exc))
     except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
-        print(
-            f"relayrl: error: {exc}; `relayrl train --run-dir {run_dir}` resumes from the last checkpoint",
-            file=sys.stderr,
-        )
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # raised in an actor: + its trace
+        found = [ln[ln.index("rank ") :] for ln in lines if "rank " in ln and " died" in ln]
+        reason = found[-1] if found else (lines[0] if lines else type(exc).__name__)
+        resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
+        print(f"relayrl: error: {reason}; {resume}", file=sys.stderr)
         return 1
     _print_summary(summary)
     return 0

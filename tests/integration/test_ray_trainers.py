@@ -41,19 +41,12 @@ def ray_cluster() -> Iterator[None]:
         ray.shutdown()
 
 
-def overrides(workers: int, data_plane: bool) -> list[str]:
+def overrides(workers: int, data_plane: bool, algorithm: str = "grpo") -> list[str]:
     """The shipped model (it solves some problems: rewards vary within a group, so gradients are not zero)."""
-    return [
-        "policy.train_global_batch_size=16",
+    common = [
         "policy.train_micro_batch_size=4",
         "policy.generation.max_new_tokens=12",
         "policy.optimizer.kwargs.lr=1e-3",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        "grpo.max_num_steps=3",
-        "grpo.val_period=3",
-        "grpo.max_val_samples=4",
-        "grpo.val_batch_size=4",
         "loss_fn.reference_policy_kl_penalty=0.05",
         "checkpointing.enabled=false",
         "logger.progress_bar=false",
@@ -64,13 +57,57 @@ def overrides(workers: int, data_plane: bool) -> list[str]:
         "cluster.deterministic=true",
         f"data_plane.enabled={str(data_plane).lower()}",
     ]
+    if algorithm == "ppo":
+        return [
+            "algorithm=ppo",
+            "policy.train_global_batch_size=8",
+            "value.train_global_batch_size=8",
+            "value.train_micro_batch_size=4",
+            "value_loss_fn.value_clip=0.2",
+            "ppo.num_prompts_per_step=4",
+            "ppo.num_generations_per_prompt=2",
+            "ppo.max_num_steps=2",
+            "ppo.val_period=2",
+            "ppo.max_val_samples=4",
+            "ppo.val_batch_size=4",
+            *common,
+        ]
+    return [
+        "policy.train_global_batch_size=16",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.max_num_steps=3",
+        "grpo.val_period=3",
+        "grpo.max_val_samples=4",
+        "grpo.val_batch_size=4",
+        *common,
+    ]
 
 
-def run(tmp_path: Path, workers: int, data_plane: bool) -> dict[int, dict[str, Any]]:
-    cfg = load_config(None, overrides(workers, data_plane))
-    assert cfg.data_plane.backend == "ray"  # the default on the Ray executor
-    run_dir = tmp_path / f"w{workers}"
-    run_training(cfg, run_dir)
+@pytest.fixture(scope="module")
+def runs(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Each (algorithm, workers, data_plane) run once per module; tests compare them."""
+    cache: dict[tuple[str, int, bool], Path] = {}
+    root = tmp_path_factory.mktemp("ray_runs")
+
+    def get(algorithm: str, workers: int, data_plane: bool) -> Path:
+        key = (algorithm, workers, data_plane)
+        if key not in cache:
+            cfg = load_config(None, overrides(workers, data_plane, algorithm))
+            assert cfg.data_plane.backend == "ray"  # the default on the Ray executor
+            run_dir = root / f"{algorithm}_w{workers}_{'dp' if data_plane else 'legacy'}"
+            os.environ["RELAYRL_REFIT_IPC_DIR"] = str(root)  # ZMQ IPC sockets private to this module
+            try:
+                run_training(cfg, run_dir)
+            finally:
+                os.environ.pop("RELAYRL_REFIT_IPC_DIR", None)
+            cache[key] = run_dir
+        return cache[key]
+
+    return get
+
+
+def per_step(run_dir: Path) -> dict[int, dict[str, Any]]:
     by_step: dict[int, dict[str, Any]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -78,18 +115,10 @@ def run(tmp_path: Path, workers: int, data_plane: bool) -> dict[int, dict[str, A
     return by_step
 
 
-@pytest.mark.parametrize("data_plane", [False, True], ids=["legacy", "data_plane"])
-def test_grpo_on_ray_one_vs_two_workers(
-    ray_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_plane: bool
-) -> None:
-    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))  # ZMQ IPC sockets private to this test
-    one = run(tmp_path, 1, data_plane)
-    two = run(tmp_path, 2, data_plane)
-    assert sorted(s for s, m in one.items() if "train/loss" in m) == [1, 2, 3]
-    assert sorted(s for s, m in one.items() if "validation/accuracy" in m) == [0, 3]
+def assert_close(one: dict[int, dict[str, Any]], two: dict[int, dict[str, Any]], keys: tuple[str, ...]) -> float:
     worst = 0.0
     for step, metrics in one.items():
-        for key in COMPARED:
+        for key in keys:
             if key not in metrics:
                 continue
             assert key in two[step], f"step {step}: {key} missing with 2 workers"
@@ -97,6 +126,38 @@ def test_grpo_on_ray_one_vs_two_workers(
             assert math.isfinite(a)
             worst = max(worst, abs(a - b))
             assert abs(a - b) <= TOL, f"step {step} {key}: 1 worker {a} vs 2 workers {b}"
+    return worst
+
+
+@pytest.mark.parametrize("data_plane", [False, True], ids=["legacy", "data_plane"])
+def test_grpo_on_ray_one_vs_two_workers(runs: Any, data_plane: bool) -> None:
+    one = per_step(runs("grpo", 1, data_plane))
+    two = per_step(runs("grpo", 2, data_plane))
+    assert sorted(s for s, m in one.items() if "train/loss" in m) == [1, 2, 3]
+    assert sorted(s for s, m in one.items() if "validation/accuracy" in m) == [0, 3]
+    worst = assert_close(one, two, COMPARED)
     print(f"max per-step metric diff 1 vs 2 workers ({'data plane' if data_plane else 'legacy'}): {worst:.3g}")
     assert any(float(one[s]["train/grad_norm"]) > 0 for s in (1, 2, 3))  # the policy really trained
     assert any(float(one[s]["train/kl_penalty"]) > 0 for s in (2, 3))  # it moved away from the reference
+    assert all(float(two[s]["refit/total_count"]) >= 1 for s in (2, 3))  # generation workers refitted each step
+
+
+def test_parity_on_the_ray_backend_with_two_workers(runs: Any) -> None:
+    """Issue 5: legacy vs data-plane trainer, 2 Ray workers, `ray` store: every compared metric within 1e-5."""
+    from relayrl.algorithms.parity import compare_runs
+
+    report = compare_runs(runs("grpo", 2, False), runs("grpo", 2, True))
+    assert report["missing"] == [] and report["steps"] == [0, 1, 2, 3]
+    worst = max(report["max_abs_diff"].values())
+    assert worst <= 1e-5, {k: v for k, v in report["max_abs_diff"].items() if v > 1e-5}
+    assert {"train/loss", "train/reward", "train/grad_norm", "validation/accuracy"} <= set(report["max_abs_diff"])
+
+
+def test_ppo_on_ray_one_vs_two_workers_data_plane(runs: Any) -> None:
+    """PPO with TQValue on Ray: critic and policy metrics of 1 and 2 workers agree (GAE whitening is sharded)."""
+    one = per_step(runs("ppo", 1, True))
+    two = per_step(runs("ppo", 2, True))
+    assert sorted(s for s, m in one.items() if "train/loss" in m) == [1, 2]
+    keys = ("train/reward", "train/loss", "train/grad_norm", "critic/loss", "critic/grad_norm", "validation/accuracy")
+    assert_close(one, two, keys)
+    assert all(math.isfinite(float(one[s]["critic/loss"])) for s in (1, 2))

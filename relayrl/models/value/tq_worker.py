@@ -54,6 +54,10 @@ ADV_FULL, ADV_RAW, ADV_WHITEN = "full", "raw", "whiten"
 class TQValueWorker(ValueWorker, DataPlaneWorkerMixin):
     """One data-parallel rank of a `TQValue`. Adds no construction state: attach with `setup_data_plane`."""
 
+    def _local_coords(self) -> dict[str, int]:
+        """Pure data parallelism: every rank leads its own replica and writes back its own keys (also on Ray)."""
+        return {}
+
     # ------------------------------------------------------------------ values
     def get_values_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Critic values of this rank's keys, written back as the per-token `values` column. Returns None."""
