@@ -277,3 +277,29 @@ def test_worker_loss_and_gradients_match_a_transformers_forward(
         if p.grad is not None:
             torch.testing.assert_close(got[name], p.grad, atol=ATOL, rtol=0, msg=lambda msg, n=name: f"{n}: {msg}")
     model.eval()
+
+
+def test_unsupported_model_falls_back_to_hf_and_picks_the_positions() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32)).eval()
+    assert fast_forward_unsupported(model) is not None
+    ids, lens, select = grpo_batch()
+    full = _pad_select(select)
+    with torch.no_grad():
+        got = selected_hidden_states(model, ids, lens, full)
+        want = hf_hidden_states(model, ids, lens)[full]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="fast=True"):
+        selected_hidden_states(model, ids, lens, full, fast=True)
+
+
+def test_attention_rows_of_a_shared_prefix_read_one_copy() -> None:
+    """Rows repeating a prompt read the same packed tokens for it: the prompt is computed once."""
+    ids, lens, select = grpo_batch()
+    pk = SharedPacking(ids, lens, _pad_select(select))
+    slots = pk.slot.view(pk.batch, pk.seq)  # [B, S'] packed token of each row position
+    assert torch.equal(slots[1, :5], slots[0, :5]) and torch.equal(slots[2, :7], slots[1, :7])
+    assert not torch.equal(slots[2, :8], slots[1, :8])  # they part after the shared generated tokens
+    assert torch.equal(slots[8], slots[6])  # an exact duplicate row is computed once
