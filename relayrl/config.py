@@ -82,6 +82,16 @@ class SchedulerConfig(Strict):
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
 
 
+class DataParallelConfig(Strict):
+    """How data-parallel ranks combine gradients (relayrl/distributed/parallelize.py); the reference's
+    `dtensor_cfg.enabled` corresponds to `fsdp2`. Results agree across strategies; all normalise over the global batch."""
+
+    strategy: Literal["manual", "ddp", "fsdp2"] = "manual"
+    """`manual`: one flat gradient all-reduce before clipping (any executor). `ddp`: DistributedDataParallel.
+    `fsdp2`: fully_shard per decoder layer (sharded gradients and optimizer state). ddp/fsdp2 need
+    cluster.executor='ray' when there is more than one worker."""
+
+
 class PolicyConfig(Strict):
     model_name: str = BUILTIN_TINY_MODEL
     """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
@@ -103,6 +113,7 @@ class PolicyConfig(Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()
+    data_parallel: DataParallelConfig = DataParallelConfig()
 
 
 # ---------------------------------------------------------------------------------------------------- loss
@@ -377,6 +388,7 @@ class ValueConfig(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     head_init_std: PositiveFloat | None = None
     """Std of a fresh head's weights; None means the backbone config's initializer_range (as transformers does)."""
+    data_parallel: DataParallelConfig = DataParallelConfig()
 
 
 class MseValueLossConfig(Strict):
@@ -489,6 +501,24 @@ class MasterConfig(Strict):
             raise ValueError(
                 f"{block}.skip_reference_policy_logprobs_calculation requires loss_fn.reference_policy_kl_penalty == 0"
             )
+        ranks = self.cluster.num_nodes * self.cluster.workers_per_node
+        dp_owners = [("policy", p.data_parallel)] + ([("value", self.value.data_parallel)] if block == "ppo" else [])
+        for owner, dp in dp_owners:
+            if dp.strategy != "manual" and ranks > 1 and self.cluster.executor == "local":
+                raise ValueError(
+                    f"{owner}.data_parallel.strategy={dp.strategy!r} needs cluster.executor='ray' with {ranks} workers "
+                    "(in-process workers support only 'manual')"
+                )
+            if (
+                dp.strategy == "fsdp2"
+                and ranks > 1
+                and self.checkpointing.enabled
+                and self.checkpointing.save_optimizer
+            ):
+                raise ValueError(
+                    f"{owner}.data_parallel.strategy='fsdp2' shards the optimizer state over ranks and cannot save it "
+                    "from rank 0: set checkpointing.save_optimizer=false or use 'ddp'"
+                )
         if self.cluster.executor == "ray":
             res = p.generation.colocated.resources
             if not p.generation.colocated.enabled and (res.num_nodes is None or res.workers_per_node is None):

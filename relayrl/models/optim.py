@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -10,16 +11,28 @@ import torch
 from torch import nn
 
 from relayrl.distributed.interfaces import Collective
+from relayrl.distributed.parallelize import DataParallel
 
 
 def all_reduce_clip_and_step(
-    params: list[nn.Parameter], comm: Collective, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+    params: list[nn.Parameter],
+    comm: Collective,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    dp: DataParallel | None = None,
 ) -> torch.Tensor:
     """Sum gradients over data-parallel ranks, clip to `max_grad_norm`, take one optimizer step.
 
     Losses are partial sums of the global-batch mean on every rank, so *summing* gradients (not averaging) gives the
-    gradient of the global mean. Returns the pre-clip global L2 norm (CPU scalar).
+    gradient of the global mean. Under DDP / FSDP2 (`dp`) backward already summed them; FSDP2's norm is taken over
+    the shards. Returns the pre-clip global L2 norm (CPU scalar).
     """
+    max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
+    if dp is not None and dp.reduces_in_backward:
+        grad_norm = dp.global_grad_norm_and_clip(max_norm)
+        optimizer.step()
+        dp.after_step()
+        return grad_norm
     if comm.world_size > 1:
         for p in params:  # every rank must contribute a buffer of the same layout
             if p.grad is None:
@@ -31,7 +44,6 @@ def all_reduce_clip_and_step(
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-    max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach().cpu()
     optimizer.step()
     return grad_norm
@@ -71,6 +83,8 @@ def train_global_batches(
     loss_for_microbatch: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
     step: Callable[[list[nn.Parameter]], torch.Tensor],
     rank: int,
+    dp: DataParallel | None = None,
+    zero_loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """One train() call (reference §3.9), shared by the policy and value workers.
 
@@ -78,8 +92,16 @@ def train_global_batches(
     tokens are summed over ranks, so every micro-batch loss is a partial sum of the global-batch mean; the scheduler
     steps once per call. `valid_tokens(gb_data)` is the token mask the loss averages over (the policy's drops
     position 0). Callers own train/eval mode and the no-grad context.
+
+    `dp` (DDP / FSDP2) reduces gradients inside backward, so every rank runs every micro-batch and only the last
+    micro-batch of a global batch syncs. One without a valid sample or without any loss position runs
+    `zero_loss(mb)` instead of the loss: a full forward touching every parameter, times 0 (exactly zero gradients,
+    the same collectives as its peers whatever the loss function skips), and is not recorded.
     """
     world = comm.world_size
+    wrapped = dp is not None and dp.reduces_in_backward
+    if wrapped and zero_loss is None:
+        raise ValueError("train_global_batches: a DDP/FSDP2 strategy needs zero_loss for dummy micro-batches")
     local_gbs = gbs // world
     if local_gbs < 1 or local_gbs % mbs:
         raise ValueError(f"per-rank global batch {gbs}/{world}={local_gbs} is not a multiple of mbs={mbs}")
@@ -104,14 +126,35 @@ def train_global_batches(
         if not eval_mode and optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         gb_loss = torch.zeros((), device=device)
-        for mb in micro_batches(gb_data, mbs, device):
-            if float(mb["sample_mask"].float().sum()) == 0:
+        num_mb = -(-gb_data.size // mbs)
+        for i, mb in enumerate(micro_batches(gb_data, mbs, device)):
+            valid = float(mb["sample_mask"].float().sum()) > 0
+            if wrapped and valid:  # no loss position: a dummy too (an FSDP2 backward must pass through every unit)
+                valid = float((valid_tokens(mb).float() * mb["sample_mask"].float()[:, None]).sum()) > 0
+            if not valid and not wrapped:
                 continue  # no valid sample: contributes nothing to the loss, metrics or gradient
-            loss, mb_metrics = loss_for_microbatch(mb, global_seqs, global_toks)
-            if not eval_mode:
-                loss.backward()
-            gb_loss += loss.detach()
-            record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
+            with dp.micro_batch(sync=i == num_mb - 1) if dp is not None else contextlib.nullcontext():
+
+                def closure(
+                    mb: Any = mb,
+                    valid: bool = valid,
+                    seqs: torch.Tensor = global_seqs,
+                    toks: torch.Tensor = global_toks,
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
+                    if valid:
+                        loss, mb_metrics = loss_for_microbatch(mb, seqs, toks)
+                        if dp is not None and wrapped and not eval_mode and not loss.requires_grad:
+                            loss = loss + dp.zero_touch()  # no loss position (no graph): still reach the collectives
+                        return loss, mb_metrics
+                    assert zero_loss is not None
+                    return zero_loss(mb), {}  # a dummy: every rank must reach the same collectives
+
+                loss, mb_metrics = dp.forward(closure, training=not eval_mode) if dp is not None else closure()
+                if not eval_mode and loss.requires_grad:  # no graph: no loss position, zero gradient
+                    loss.backward()
+            if valid:
+                gb_loss += loss.detach()
+                record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
         if not eval_mode:
             grad_norm = step(params)
         losses.append(gb_loss)

@@ -30,6 +30,7 @@ from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
+from relayrl.distributed.parallelize import wrap_model
 from relayrl.models.optim import all_reduce_clip_and_step, train_global_batches
 from relayrl.models.policy import logprobs as lp_ops
 from relayrl.models.policy.fast_forward import backbone_hidden_states, selected_hidden_states
@@ -139,24 +140,26 @@ class PolicyWorker:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         _move(self.model, self.device)
         self.weights_version = 0
+        # Snapshot of the loaded weights (a checkpoint's on resume, as in the reference system), taken before any
+        # data-parallel wrapping. A second frozen module on the CPU costs the same memory as a state-dict snapshot
+        # but needs no weight swapping: on CPU it is used in place, on a GPU it is moved over only for the reference.
+        self.reference_model: PreTrainedModel | None = None
+        if init_reference_model:
+            self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            _move(self.reference_model, torch.device("cpu"))
+        # `self.model` stays the plain full module every other pass reads; training runs on `self.dp.train_module`.
+        self.dp = wrap_model(self.model, config.data_parallel.strategy, self.comm, self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if init_optimizer:
             self._build_optimizer(max_num_steps)
         if optimizer_path is not None:
             self._load_optimizer(optimizer_path)
-        # Snapshot after any checkpoint load: on resume the reference is the resumed policy (as in the reference
-        # system). A second frozen module on the CPU costs the same memory as a state-dict snapshot but needs no
-        # weight swapping: on CPU it is used in place, on a GPU it is moved over only for the reference pass.
-        self.reference_model: PreTrainedModel | None = None
-        if init_reference_model:
-            self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-            _move(self.reference_model, torch.device("cpu"))
 
     # ------------------------------------------------------------------ construction helpers
     def _build_optimizer(self, max_num_steps: int | None) -> None:
         kw = self.cfg.optimizer.kwargs
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.dp.params
         self.optimizer = torch.optim.AdamW(
             params, lr=kw.lr, weight_decay=kw.weight_decay, betas=kw.betas, eps=kw.eps, **dev.adamw_kernel(params)
         )
@@ -167,6 +170,7 @@ class PolicyWorker:
     def _load_optimizer(self, optimizer_path: str) -> None:
         if self.optimizer is None or self.scheduler is None:
             raise ValueError("optimizer_path was given but the policy was built with init_optimizer=False")
+        self.dp.check_optimizer_checkpoint("loading policy optimizer state")
         path = Path(optimizer_path)
         if path.is_dir():
             path = path / OPTIMIZER_FILE
@@ -340,13 +344,15 @@ class PolicyWorker:
                 comm=self.comm,
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
-                params=[p for p in self.model.parameters() if p.requires_grad],
+                params=self.dp.params,
                 device=device,
                 micro_batches=self._micro_batches,
                 valid_tokens=lambda gb_data: gb_data["token_mask"][:, 1:],
                 loss_for_microbatch=self._policy_microbatch_loss(loss_fn),
                 step=self._reduce_clip_and_step,
                 rank=self.rank,
+                dp=self.dp,
+                zero_loss=self._zero_loss,
             )
         if not eval_mode:
             dev.empty_cache(self.device)
@@ -372,7 +378,7 @@ class PolicyWorker:
             # previous policy's log-probs, so ratios there stay finite (1) instead of exp(-prev) overflowing.
             fill = mb["prev_logprobs"][:, 1:] if "prev_logprobs" in mb else None
             lp, plain = self._next_token_logprobs(
-                self.model, mb, keep, filtered=self.filtering, return_unfiltered=self.filtering, fill=fill
+                self.dp.train_module, mb, keep, filtered=self.filtering, return_unfiltered=self.filtering, fill=fill
             )  # [b, S-1]
             if self.filtering:
                 lp = lp_ops.zero_invalid(lp, keep)
@@ -381,10 +387,19 @@ class PolicyWorker:
 
         return microbatch_loss
 
+    def _zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
+        """0 x the logits of a full HF forward of the training module: touches every parameter, so a DDP/FSDP2 rank
+        with nothing to learn from a micro-batch still joins its peers' gradient collectives (zero gradients)."""
+        ids = mb["input_ids"]  # [b, S]
+        lengths = mb["input_lengths"].to(ids.device).clamp(min=1)  # [b]
+        mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]).long()  # [b, S]
+        logits = self.dp.train_module(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [b, S, V]
+        return logits.float().sum() * 0.0
+
     def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
         assert self.optimizer is not None
-        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm)
+        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
         self.weights_version += 1
         return grad_norm
 
@@ -474,6 +489,7 @@ class PolicyWorker:
         """Copy saved weights into the live module in place (its identity, shared with a colocated engine, stays)."""
         saved = load_causal_lm(self.cfg, weights_path)
         self.model.load_state_dict(saved.state_dict())
+        self.dp.load_full_into_shards()
         if optimizer_path is not None:
             self._load_optimizer(optimizer_path)  # also restores weights_version
         else:
@@ -531,6 +547,7 @@ class PolicyWorker:
         if optimizer_path is not None:
             if self.optimizer is None or self.scheduler is None:
                 raise ValueError("optimizer_path was given but the policy was built with init_optimizer=False")
+            self.dp.check_optimizer_checkpoint("saving policy optimizer state")
             Path(optimizer_path).mkdir(parents=True, exist_ok=True)
             state = {
                 "optimizer": self.optimizer.state_dict(),

@@ -31,6 +31,7 @@ from transformers import (
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
+from relayrl.distributed.parallelize import wrap_model
 from relayrl.models.optim import all_reduce_clip_and_step, train_global_batches
 from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.models.policy.worker import _LOAD_LOCK, OPTIMIZER_FILE, lr_factor
@@ -180,12 +181,14 @@ class ValueWorker:
         if config.activation_checkpointing and self.model.model.supports_gradient_checkpointing:
             self.model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.to(self.device)
+        # `self.model` stays the plain full critic every other pass reads; training runs on `self.dp.train_module`.
+        self.dp = wrap_model(self.model, config.data_parallel.strategy, self.comm, self.device)
         self.weights_version = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if init_optimizer:
             kw, sched = config.optimizer.kwargs, config.scheduler
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            params = self.dp.params
             self.optimizer = torch.optim.AdamW(
                 params, lr=kw.lr, weight_decay=kw.weight_decay, betas=kw.betas, eps=kw.eps
             )
@@ -199,6 +202,7 @@ class ValueWorker:
     def _load_optimizer(self, optimizer_path: str) -> None:
         if self.optimizer is None or self.scheduler is None:
             raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
+        self.dp.check_optimizer_checkpoint("loading value optimizer state")
         path = Path(optimizer_path)
         if path.is_dir():
             path = path / OPTIMIZER_FILE
@@ -214,9 +218,9 @@ class ValueWorker:
     def _model_device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _values(self, mb: BatchedDataDict) -> torch.Tensor:
+    def _values(self, mb: BatchedDataDict, model: nn.Module | None = None) -> torch.Tensor:
         with dev.autocast(self.device, self.cfg.precision):
-            return self.model(mb["input_ids"], mb["input_lengths"]).float()  # [b, S]
+            return (model or self.model)(mb["input_ids"], mb["input_lengths"]).float()  # [b, S]
 
     @staticmethod
     def _micro_batches(data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
@@ -262,13 +266,17 @@ class ValueWorker:
                 comm=self.comm,
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
-                params=[p for p in self.model.parameters() if p.requires_grad],
+                params=self.dp.params,
                 device=device,
                 micro_batches=self._micro_batches,
                 valid_tokens=lambda gb_data: gb_data["token_mask"],
-                loss_for_microbatch=lambda mb, seqs, toks: loss_fn(self._values(mb), mb, seqs, toks),
+                loss_for_microbatch=lambda mb, seqs, toks: loss_fn(
+                    self._values(mb, self.dp.train_module), mb, seqs, toks
+                ),
                 step=self._reduce_clip_and_step,
                 rank=self.rank,
+                dp=self.dp,
+                zero_loss=lambda mb: self._values(mb, self.dp.train_module).sum() * 0.0,  # DDP/FSDP2 dummy
             )
         if not eval_mode:
             dev.empty_cache(self.device)
@@ -283,7 +291,7 @@ class ValueWorker:
     def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
         assert self.optimizer is not None
-        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm)
+        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
         self.weights_version += 1
         return grad_norm
 
@@ -327,6 +335,7 @@ class ValueWorker:
         """Copy a saved critic (backbone and head) into the live module in place; optionally its optimizer."""
         saved = load_value_model(self.cfg, weights_path)
         self.model.load_state_dict(saved.state_dict())
+        self.dp.load_full_into_shards()
         if optimizer_path is not None:
             self._load_optimizer(optimizer_path)  # also restores weights_version
         else:
@@ -344,6 +353,7 @@ class ValueWorker:
         if optimizer_path is not None:
             if self.optimizer is None or self.scheduler is None:
                 raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
+            self.dp.check_optimizer_checkpoint("saving value optimizer state")
             Path(optimizer_path).mkdir(parents=True, exist_ok=True)
             state = {
                 "optimizer": self.optimizer.state_dict(),

@@ -1,0 +1,202 @@
+"""Data-parallel wrapping of a worker's model, chosen by config (`<policy|value>.data_parallel.strategy`).
+
+Every strategy keeps the loss normalisation of reference §3.9: each micro-batch loss is a partial sum of the
+global-batch mean, so the gradient of the global mean is the *sum* of the ranks' gradients.
+
+* `manual` (default): plain module; `models/optim.py` sums the gradients with one flat all-reduce over the worker's
+  `Collective` before clipping. Works on every executor (in-process threads included).
+* `ddp`: `DistributedDataParallel` over the worker's torch.distributed process group, with a comm hook that sums
+  instead of averaging (DDP divides by the world size; summing keeps the losses untouched and the result exact).
+  Gradients are reduced once per global batch, in the backward of its last micro-batch (`no_sync` before).
+* `fsdp2`: `fully_shard` on each decoder layer and on a root holding the rest; gradients are reduce-scattered with
+  a divide factor of 1 (a sum) and the optimizer holds only this rank's shards (AdamW moments: 1/world each). The
+  worker's plain module stays the *full* copy every other pass reads (logprobs, reference, refit, checkpoint,
+  calibration: full HF-named tensors, no prefixes); after each optimizer step the updated shards are gathered into
+  it in place (its identity, shared with a colocated engine, is kept).
+
+DDP and FSDP2 reduce inside backward, so every rank must run the same micro-batches: a micro-batch without a valid
+sample still runs, with its loss multiplied by 0 (reference §3.9, "dummy micro-batches"), and is not recorded.
+Both need a torch.distributed process group per worker group (the Ray executor: gloo on CPU, nccl on GPU); with one
+rank there is nothing to reduce and every strategy runs as `manual`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Strategy = Literal["manual", "ddp", "fsdp2"]
+STRATEGIES: tuple[str, ...] = ("manual", "ddp", "fsdp2")
+
+
+class _Closure(nn.Module):
+    """Root module whose forward runs a loss closure over `inner`: DDP and FSDP2 hook into a module's forward, while
+    the workers' training forward (packed backbone + chunked LM head) is a function of the module, not its forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, closure: Callable[[], Any]) -> Any:
+        return closure()
+
+
+def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+    """DDP comm hook: element-wise *sum* of the bucket (a GradBucket) over ranks; DDP's default hook divides by the
+    world size. Unannotated: DDP compares annotations with its classes, which postponed (string) annotations fail."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()  # type: ignore[union-attr]
+    return fut.then(lambda f: f.value()[0])
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (each becomes one FSDP2 unit): children of the first `layers` ModuleList."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, nn.ModuleList):
+            return list(module)
+    return []
+
+
+class DataParallel:
+    """One rank's training-side view of its model under a strategy (what `models/optim.py` drives).
+
+    `module` is the worker's plain model (full weights; every non-training pass uses it). `train_module` is what the
+    training loss closure must run on: `module` itself for manual/ddp, the sharded replica for fsdp2. `params` are
+    what the optimizer holds and clipping sees.
+    """
+
+    def __init__(self, module: nn.Module, strategy: str, world_size: int, device: torch.device) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"data_parallel.strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+        if strategy != "manual" and world_size > 1 and not dist.is_initialized():
+            raise ValueError(
+                f"data_parallel.strategy={strategy!r} needs a torch.distributed process group per worker group "
+                "(cluster.executor='ray'); in-process workers (cluster.executor='local') support only 'manual'"
+            )
+        self.module = module
+        self.requested = strategy
+        self.strategy = strategy if world_size > 1 else "manual"  # one rank: nothing to reduce
+        self.world_size = world_size
+        self.train_module: Any = module  # a PreTrainedModel / ValueModel; FSDP2 swaps in subclasses of its own
+        self._wrapper: Any = None
+        if self.strategy == "ddp":
+            on_gpu = device.type == "cuda"
+            ddp = nn.parallel.DistributedDataParallel(
+                _Closure(module),
+                device_ids=[device.index if device.index is not None else torch.cuda.current_device()]
+                if on_gpu
+                else None,
+                broadcast_buffers=False,  # buffers (rotary tables) never change and start identical
+                find_unused_parameters=False,
+            )
+            ddp.register_comm_hook(dist.group.WORLD, _sum_allreduce_hook)
+            self._wrapper = ddp
+        elif self.strategy == "fsdp2":
+            self._wrapper = self._shard(module, device)
+            self.train_module = self._wrapper.inner
+
+    # ------------------------------------------------------------------ construction
+    def _shard(self, module: nn.Module, device: torch.device) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        replica = copy.deepcopy(module).to(device)  # [full] -> sharded below; `module` stays full
+        for layer in decoder_layers(replica):
+            fully_shard(layer, mesh=mesh)
+        root: Any = fully_shard(_Closure(replica), mesh=mesh)
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # sum over ranks, like the manual all-reduce ...
+                m.set_force_sum_reduction_for_comms(True)  # ... as a plain SUM (gloo has no PREMUL_SUM)
+        # A rank whose micro-batch has no loss position may leave a unit's parameters (the LM head) without a
+        # gradient; zeros keep its reduce-scatter the same shape as its peers'.
+        root.set_reduce_scatter_unused_params(True)
+        return root
+
+    # ------------------------------------------------------------------ training-loop hooks
+    @property
+    def reduces_in_backward(self) -> bool:
+        """Whether backward already sums gradients over ranks (no manual all-reduce before clipping)."""
+        return self.strategy != "manual"
+
+    @property
+    def params(self) -> list[Any]:
+        return [p for p in self.train_module.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def micro_batch(self, sync: bool) -> Iterator[None]:
+        """Forward + backward of one micro-batch; gradients are reduced over ranks only when `sync`."""
+        w = self._wrapper
+        if w is None or sync:
+            yield
+        elif isinstance(w, nn.parallel.DistributedDataParallel):
+            with w.no_sync():
+                yield
+        else:
+            w.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                w.set_requires_gradient_sync(True)
+
+    def forward(self, closure: Callable[[], Any], training: bool) -> Any:
+        """Run the loss closure through the wrapper (whose hooks reduce gradients); DDP evaluation needs none."""
+        if self._wrapper is None or (not training and self.strategy == "ddp"):
+            return closure()
+        return self._wrapper(closure)
+
+    def zero_touch(self) -> torch.Tensor:
+        """0 x the parameters held unsharded right now (all of them under DDP; the root unit's inside an FSDP2
+        forward): added to a loss without a graph (no loss position on this rank) so that backward still runs and
+        reaches the gradient collectives its peers enter. Exactly zero gradients."""
+        from torch.distributed.tensor import DTensor
+
+        plain = [p.sum() for p in self.train_module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        return torch.stack(plain).sum() * 0.0
+
+    def global_grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Pre-clip global L2 norm (CPU scalar) of the already-reduced gradients, clipped in place."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        full = getattr(norm, "full_tensor", None)  # fsdp2: a DTensor norm over the shards
+        return (full() if callable(full) else norm).detach().cpu()
+
+    def after_step(self) -> None:
+        """fsdp2: gather the updated shards into the full module in place (every rank takes part)."""
+        if self.strategy != "fsdp2":
+            return
+        full = dict(self.module.named_parameters())
+        with torch.no_grad():
+            for name, p in self.train_module.named_parameters():
+                full[name].copy_(p.full_tensor())  # type: ignore[attr-defined]
+
+    def load_full_into_shards(self) -> None:
+        """fsdp2: after the full module was overwritten (checkpoint load), re-cut this rank's shards from it."""
+        if self.strategy != "fsdp2":
+            return
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        full = dict(self.module.named_parameters())
+        with torch.no_grad():
+            for name, p in self.train_module.named_parameters():
+                assert isinstance(p, DTensor)
+                src = full[name].detach().to(p.device)
+                p.to_local().copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+    def check_optimizer_checkpoint(self, what: str) -> None:
+        """fsdp2 optimizer state is sharded over ranks; rank-0-only save/load would see one shard. Refuse clearly."""
+        if self.strategy == "fsdp2":
+            raise ValueError(
+                f"{what}: optimizer state is sharded under data_parallel.strategy='fsdp2' with {self.world_size} ranks; "
+                "saving or loading it needs every rank (set checkpointing.save_optimizer=false, or use 'ddp')"
+            )
+
+
+def wrap_model(model: nn.Module, strategy: str, comm: Any, device: torch.device) -> DataParallel:
+    """`model` wrapped for data-parallel training under `strategy` over the ranks of `comm` (a `Collective`)."""
+    return DataParallel(model, strategy, int(comm.world_size), torch.device(device))

@@ -1,0 +1,220 @@
+"""DDP and FSDP2 wrapping (`data_parallel.strategy`) give the manual strategy's and one worker's results.
+
+Each strategy trains 2 Ray workers (gloo, one torch thread each) on the same batches as one in-process worker:
+two train() calls of two global batches each, the second with micro-batches of one row, so that the last
+micro-batch of rank 1's first global batch has no valid sample (sample_mask 0) and runs as a zero-loss dummy under
+DDP/FSDP2, and the last one of its second global batch has a valid sample but no loss token. Losses, grad norms, updated weights (on every rank), logprobs, refit manifests and checkpoint tensor names
+must all agree to 1e-5. The critic (value worker) gets the same check for one DDP and one FSDP2 run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relayrl.algorithms.loss_functions import ClippedPGLossFn
+from relayrl.algorithms.value_loss import MseValueLossFn
+from relayrl.config import ClippedPGLossConfig, ClusterConfig, PolicyConfig, ValueConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.policy.lm_policy import Policy
+from relayrl.models.policy.worker import PolicyWorker
+from relayrl.models.value.lm_value import Value
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+B, S = 8, 12
+LENGTHS = torch.tensor([12, 5, 7, 2, 12, 9, 10, 3])  # ragged, right-padded; row 7: no loss token (prompt only)
+SAMPLE_MASK = torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1])  # row 3: rank 1's last micro-batch of global batch 0
+TOL = 1e-5
+RAY_CLUSTER = dict(executor="ray", workers_per_node=2, torch_num_threads=1, device="cpu")
+
+
+def make_batch(vocab: int, seed: int) -> BatchedDataDict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (B, S), generator=g)  # [B, S]
+    real = torch.arange(S)[None, :] < LENGTHS[:, None]  # [B, S]
+    token_mask = real.float()
+    token_mask[:, :3] = 0.0  # a "prompt" the loss ignores
+    return BatchedDataDict(
+        input_ids=ids.masked_fill(~real, 0),
+        input_lengths=LENGTHS.clone(),
+        token_mask=token_mask,
+        sample_mask=SAMPLE_MASK.clone(),
+        advantages=torch.randn(B, 1, generator=g).expand(B, S).clone(),  # [B, S]
+        returns=torch.randn(B, S, generator=g),
+    )
+
+
+def policy_config(model_dir: Path, strategy: str) -> PolicyConfig:
+    return PolicyConfig.model_validate(
+        dict(
+            model_name=str(model_dir),
+            train_global_batch_size=4,
+            train_micro_batch_size=2,
+            max_grad_norm=0.5,  # small enough that clipping is active
+            # FSDP2 trains through HF's forward (sharded weights rule out the packed fast path): float32 rounding
+            # differs slightly, and AdamW turns it into weight differences proportional to lr.
+            optimizer={"kwargs": {"lr": 2e-3}},
+            data_parallel={"strategy": strategy},
+        )
+    )
+
+
+class InspectedWorker(PolicyWorker):
+    """`PolicyWorker` that also reports how much of the trainable weights this rank's optimizer holds."""
+
+    def optimizer_numel(self) -> dict[str, int]:
+        assert self.optimizer is not None
+        held = sum(
+            getattr(p, "to_local", lambda p=p: p)().numel() for g in self.optimizer.param_groups for p in g["params"]
+        )
+        return {"held": held, "full": sum(p.numel() for p in self.model.parameters())}
+
+
+class InspectedPolicy(Policy):
+    worker_cls = InspectedWorker
+
+
+def run_policy(policy: Policy, vocab: int, ckpt: Path, model_dir: Path) -> dict[str, Any]:
+    """Two train() calls (mbs 2, then 1), then logprobs, the refit view of every rank and a checkpoint; then the
+    start weights are loaded back and one more step runs (its loss is taken before the update)."""
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
+    results = []
+    for seed, mbs in ((0, 2), (1, 1)):
+        data = make_batch(vocab, seed)
+        data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        data["generation_logprobs"] = data["prev_logprobs"]
+        data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+        results.append(policy.train(data, loss_fn, mbs=mbs))
+    per_rank = [{k: v.detach().clone() for k, v in sd.items()} for sd in policy._group.run_all("state_dict_for_refit")]
+    policy.save_checkpoint(str(ckpt))
+    logprobs = policy.get_logprobs(make_batch(vocab, 2))["logprobs"]
+    policy.load_checkpoint(str(model_dir))  # FSDP2 must re-cut its shards from the loaded full weights
+    data = make_batch(vocab, 0)
+    data["prev_logprobs"] = data["generation_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    results.append(policy.train(data, loss_fn, mbs=2))
+    return {
+        "results": results,
+        "per_rank": per_rank,  # cloned at once: the local executor returns the live tensors
+        "refit_info": policy.prepare_refit_info(),
+        "logprobs": logprobs,
+        "checkpoint": load_file(str(ckpt / "model.safetensors")),
+        "version": policy.weights_version,
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    if ray.is_initialized():
+        yield
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_worker(tiny_model_dir: Path, char_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    policy = Policy(policy_config(tiny_model_dir, "manual"), char_tokenizer, cluster=ClusterConfig())
+    try:
+        return run_policy(policy, len(char_tokenizer), tmp_path_factory.mktemp("ckpt_one"), tiny_model_dir)
+    finally:
+        policy.shutdown()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("strategy", ["manual", "ddp", "fsdp2"])
+def test_two_ray_workers_match_one_worker(
+    ray_cluster: None, one_worker: dict[str, Any], tiny_model_dir: Path, char_tokenizer, tmp_path: Path, strategy: str
+) -> None:
+    cfg = policy_config(tiny_model_dir, strategy)
+    policy = InspectedPolicy(cfg, char_tokenizer, cluster=ClusterConfig(**RAY_CLUSTER))  # type: ignore[arg-type]
+    try:
+        held = policy._group.run_all("optimizer_numel")
+        out = run_policy(policy, len(char_tokenizer), tmp_path / "ckpt", tiny_model_dir)
+    finally:
+        policy.shutdown()
+    full = held[0]["full"]
+    if strategy == "fsdp2":  # each rank's optimizer holds about half of the weights (dim 0 padded to even)
+        assert sum(h["held"] for h in held) >= full and all(h["held"] < 0.6 * full for h in held)
+    else:
+        assert all(h["held"] == full for h in held)
+    ref = one_worker
+    assert len(out["results"]) == len(ref["results"]) == 3
+    assert torch.equal(ref["results"][2]["loss"][:1], ref["results"][0]["loss"][:1])  # same start weights, same rows
+    for call, (r1, r2) in enumerate(zip(ref["results"], out["results"])):
+        assert r2["loss"].shape == (2,)  # one global-batch loss per optimizer step
+        assert torch.allclose(r1["loss"], r2["loss"], atol=TOL, rtol=0)
+        assert float(r1["grad_norm"]) > 0.5  # clipping was active
+        assert abs(float(r1["grad_norm"]) - float(r2["grad_norm"])) <= TOL
+        assert r1["num_valid_tokens"] == r2["num_valid_tokens"]
+        # dummies are not recorded (DDP/FSDP2 also skip row 7, valid but without a loss token, whose loss is 0);
+        # both ranks' partial sums add up to the mean global-batch loss
+        dropped = 1 if strategy != "manual" and call == 1 else 0
+        assert len(r2["all_mb_metrics"]["loss"]) == len(r1["all_mb_metrics"]["loss"]) - dropped
+        assert sum(r2["all_mb_metrics"]["loss"]) == pytest.approx(float(r1["loss"].mean()), abs=TOL)
+    assert out["version"] == ref["version"] == 7
+    (ref_weights,) = ref["per_rank"]
+    rank0, rank1 = out["per_rank"]
+    assert list(rank0) == list(ref_weights)  # HF names in HF order: no `module.` / wrapper prefixes
+    assert max_diff(ref_weights, rank0) <= TOL
+    assert max_diff(rank0, rank1) == 0.0  # every rank holds the same full weights after the step
+    assert out["refit_info"] == ref["refit_info"]
+    assert max_diff(ref["checkpoint"], out["checkpoint"]) <= TOL
+    assert (out["logprobs"] - ref["logprobs"]).abs().max() <= TOL
+
+
+def value_config(model_dir: Path, strategy: str) -> ValueConfig:
+    return ValueConfig(
+        model_name=str(model_dir),
+        train_global_batch_size=4,
+        train_micro_batch_size=1,
+        max_grad_norm=0.5,
+        data_parallel={"strategy": strategy},  # type: ignore[arg-type]
+    )
+
+
+def run_value(value: Value, vocab: int) -> dict[str, Any]:
+    loss_fn = MseValueLossFn()
+    data = make_batch(vocab, 0)
+    data["values"] = value.get_values(data)["values"]  # old values for the (unclipped) MSE loss
+    results = [value.train(data, loss_fn) for _ in range(2)]
+    return {"results": results, "weights": {k: v.detach().clone() for k, v in value.state_dict().items()}}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_critic_on_two_ray_workers_matches_one_worker(
+    ray_cluster: None, tiny_model_dir: Path, char_tokenizer, strategy: str
+) -> None:
+    vocab = len(char_tokenizer)
+    local = Value(value_config(tiny_model_dir, "manual"), char_tokenizer, cluster=ClusterConfig())
+    try:
+        ref = run_value(local, vocab)
+    finally:
+        local.shutdown()
+    value = Value(value_config(tiny_model_dir, strategy), char_tokenizer, cluster=ClusterConfig(**RAY_CLUSTER))  # type: ignore[arg-type]
+    try:
+        out = run_value(value, vocab)
+    finally:
+        value.shutdown()
+    for r1, r2 in zip(ref["results"], out["results"]):
+        assert torch.allclose(r1["loss"], r2["loss"], atol=TOL, rtol=0)
+        assert abs(float(r1["grad_norm"]) - float(r2["grad_norm"])) <= TOL
+    assert list(out["weights"]) == list(ref["weights"])
+    assert max_diff(ref["weights"], out["weights"]) <= TOL
