@@ -15,8 +15,11 @@ groups (same global batch, same start weights), which checks the two runs do the
 Refit: the 1-worker group's rank (a Ray actor) sends its weights to a model in this process (the generation side)
 by ZMQ IPC buckets and by the gloo weight-update group; each refit is checked bit-exact and timed per MiB.
 
+`--strategy` picks how the 2 ranks combine gradients (`policy.data_parallel.strategy`: manual all-reduce, DDP or
+FSDP2); the 1-worker group has nothing to reduce and always runs as manual.
+
     python bench/scaling.py [--hidden 512] [--layers 8] [--seq 128] [--gbs 16] [--mbs 4] [--reps 5] [--warmup 1]
-                            [--refit-reps 3] [--refit-buffer-mb 32]
+                            [--refit-reps 3] [--refit-buffer-mb 32] [--strategy manual|ddp|fsdp2]
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--refit-reps", type=int, default=3)
     ap.add_argument("--refit-buffer-mb", type=int, default=32)
+    ap.add_argument("--strategy", choices=["manual", "ddp", "fsdp2"], default="manual")
     args = ap.parse_args()
     if args.gbs % (2 * args.mbs):
         raise SystemExit(f"--gbs {args.gbs} must split into 2 ranks of whole micro-batches of {args.mbs}")
@@ -187,6 +191,7 @@ def main() -> None:
                     max_total_sequence_length=max(args.seq, 256),
                     max_grad_norm=1.0,
                     optimizer={"kwargs": {"lr": 1e-5}},
+                    data_parallel={"strategy": args.strategy},
                 )
             )
             for world in (1, 2):
@@ -196,7 +201,8 @@ def main() -> None:
                 )
             print(
                 f"model: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.1f}M params; "
-                f"step: {args.gbs} rows x {args.seq} tokens, micro-batch {args.mbs}; start-up {time.perf_counter() - t0:.0f}s"
+                f"step: {args.gbs} rows x {args.seq} tokens, micro-batch {args.mbs}; 2-worker strategy {args.strategy}; "
+                f"start-up {time.perf_counter() - t0:.0f}s"
             )
             load_before = os.getloadavg()[0]
             times, cpus = measure_throughput(groups, args)
