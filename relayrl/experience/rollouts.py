@@ -63,11 +63,12 @@ def run_multi_turn_rollout(
     n = len(batch["message_log"])
     stop_strings: list[Any] = list(input_batch.get("stop_strings") or [None] * n)
     total_reward = torch.zeros(n, dtype=torch.float32)  # [B]
-    truncated = torch.zeros(n, dtype=torch.bool)  # [B]
+    # Per-row bookkeeping in Python lists (tensors at the end): no tensor indexing per row and turn.
+    truncated_rows = [False] * n
     terminated = torch.zeros(n, dtype=torch.bool)  # [B], ended by the environment
-    turns = torch.zeros(n, dtype=torch.long)  # [B]
-    gen_tokens = torch.zeros(n, dtype=torch.long)  # [B]
-    env_tokens = torch.zeros(n, dtype=torch.long)  # [B]
+    turns = [0] * n
+    gen_tokens = [0] * n
+    env_tokens = [0] * n
     active = list(range(n))
 
     for _ in range(max_rollout_turns):
@@ -81,18 +82,20 @@ def run_multi_turn_rollout(
             stop_strings=[stop_strings[i] for i in active],
         )
         out = policy_generation.generate(gen_input, greedy=greedy)
-        done = torch.zeros(len(active), dtype=torch.bool)  # [A]
+        done = [False] * len(active)
         gen_lens: list[int] = []
+        starts = input_lengths.tolist()
+        out_lens, out_truncated = out["generation_lengths"].tolist(), out["truncated"].tolist()
         for j, i in enumerate(active):
-            start, g = int(input_lengths[j]), int(out["generation_lengths"][j])
-            if bool(out["truncated"][j]):
-                truncated[i] = True
+            start, g = int(starts[j]), int(out_lens[j])
+            if out_truncated[j]:
+                truncated_rows[i] = True
             if start + g > max_seq_len:  # an engine that ignored the context limit: keep what fits, flag it
                 log.warning(
                     "row %d: generation ran %d tokens past max_seq_len=%d", i, start + g - max_seq_len, max_seq_len
                 )
                 g = max(0, max_seq_len - start)
-                truncated[i] = done[j] = True
+                truncated_rows[i] = done[j] = True
             ids = out["output_ids"][j, start : start + g].to(torch.long)  # [g]
             batch["message_log"][i].append(
                 {
@@ -109,17 +112,17 @@ def run_multi_turn_rollout(
             logs, [batch["task_name"][i] for i in active], [batch["extra_env_info"][i] for i in active], task_to_env
         )
         total_reward[active] += env_out.rewards.to(torch.float32)
+        # One batched tokenizer call for all observations (the same ids as one call each, far less overhead).
+        obs_token_ids = tokenizer([o["content"] for o in env_out.observations], add_special_tokens=False)["input_ids"]
         for j, i in enumerate(active):
             if env_out.message_flags is not None and env_out.message_flags[j]:
                 batch["message_log"][i][-1]["flags"] = dict(env_out.message_flags[j])
             obs = env_out.observations[j]
-            obs_ids = torch.tensor(
-                tokenizer(obs["content"], add_special_tokens=False)["input_ids"], dtype=torch.long
-            )  # [o]
-            used = int(input_lengths[j]) + gen_lens[j]
+            obs_ids = torch.tensor(obs_token_ids[j], dtype=torch.long)  # [o]
+            used = int(starts[j]) + gen_lens[j]
             if used + len(obs_ids) >= max_seq_len:
                 obs_ids = obs_ids[: max(0, max_seq_len - used)]
-                truncated[i] = done[j] = True
+                truncated_rows[i] = done[j] = True
             batch["message_log"][i].append({"role": obs["role"], "content": obs["content"], "token_ids": obs_ids})
             env_tokens[i] += len(obs_ids)
             turns[i] += 1
@@ -127,25 +130,27 @@ def run_multi_turn_rollout(
             batch["extra_env_info"][i] = env_out.metadata[j]
         env_done = env_out.terminateds.to(torch.bool)  # [A]
         terminated[active] |= env_done
-        done |= env_done
-        active = [i for j, i in enumerate(active) if not done[j]]
+        active = [i for i, d, e in zip(active, done, env_done.tolist()) if not (d or e)]
 
     max_turns_reached = torch.zeros(n, dtype=torch.bool)
     max_turns_reached[active] = True
+    truncated = torch.tensor(truncated_rows, dtype=torch.bool)  # [B]
     batch["total_reward"] = total_reward
     batch["truncated"] = truncated
     total_tokens = torch.tensor([sum(len(m["token_ids"]) for m in msgs) for msgs in batch["message_log"]])
+    turns_t = torch.tensor(turns, dtype=torch.long)  # [B]
+    gen_tokens_t = torch.tensor(gen_tokens, dtype=torch.long)  # [B]
     metrics = {
-        "total_turns": int(turns.sum()),
-        "avg_turns_per_sample": _mean(turns),
-        "max_turns_per_sample": int(turns.max()) if n else 0,
+        "total_turns": int(turns_t.sum()),
+        "avg_turns_per_sample": _mean(turns_t),
+        "max_turns_per_sample": int(turns_t.max()) if n else 0,
         "natural_termination_rate": _mean(terminated),
         "truncation_rate": _mean(truncated),
         "max_turns_reached_rate": _mean(max_turns_reached),
         "mean_total_tokens_per_sample": _mean(total_tokens),
-        "mean_gen_tokens_per_sample": _mean(gen_tokens),
-        "max_gen_tokens_per_sample": int(gen_tokens.max()) if n else 0,
-        "mean_env_tokens_per_sample": _mean(env_tokens),
+        "mean_gen_tokens_per_sample": _mean(gen_tokens_t),
+        "max_gen_tokens_per_sample": int(gen_tokens_t.max()) if n else 0,
+        "mean_env_tokens_per_sample": _mean(torch.tensor(env_tokens, dtype=torch.long)),
     }
     return batch, metrics
 
@@ -247,15 +252,17 @@ def batched_message_log_to_flat_message(
     lengths = torch.tensor([sum(len(m["token_ids"]) for m in msgs) for msgs in message_logs], dtype=torch.long)  # [B]
     longest = int(lengths.max()) if len(message_logs) else 0
     width = -(-longest // make_sequence_length_divisible_by) * make_sequence_length_divisible_by
+    # Each row's tokens fill its first lengths[r] columns: one concatenation and one masked scatter per key
+    # (row-major order) instead of a concatenation and a slice assignment per row.
+    filled = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, S]
     flat = BatchedDataDict()
     for k in keys:
         dtype = torch.long if k == "token_ids" else dtypes.get(k, torch.float32)
         pad = pad_value_dict.get(k, FLAT_KEYS[k])
         out = torch.full((len(message_logs), width), pad, dtype=dtype)  # [B, S]
-        for r, parts in enumerate(rows[k]):
-            if parts:
-                row = torch.cat([p.to(dtype) for p in parts])
-                out[r, : len(row)] = row
+        values = [p.to(dtype) for parts in rows[k] for p in parts]
+        if values:
+            out.masked_scatter_(filled, torch.cat(values))
         flat[k] = out
     return flat, lengths
 

@@ -12,6 +12,7 @@ the results are mapped back to the right-padded layout of `GenerationOutputSpec`
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -279,7 +280,7 @@ class HfGeneration(GenerationInterface):
         logprobs = torch.zeros((n_max, batch), dtype=torch.float32, device=device)  # [N, B]
         gen_len = torch.zeros(batch, dtype=torch.long, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
+        is_stop = _stop_test(self.stop_token_ids, device)
         matcher = _StopStringMatcher(self.tokenizer, row_stops) if any(row_stops) else None
         rows = torch.arange(batch, device=device)  # original row of each live slot
         alive = torch.ones(batch, dtype=torch.bool, device=device)
@@ -292,12 +293,14 @@ class HfGeneration(GenerationInterface):
             else:  # compacted slots keep their original row's stream
                 u = uniforms[:, step] if all_rows else uniforms[:, step].index_select(0, rows)  # [b]
             tok, lp = sampler(logits, u)  # [b], [b]
+            # select + copy_ rather than `tokens[step] = tok`: same values, less per-step indexing dispatch.
             if all_rows:
-                tokens[step], logprobs[step] = tok, lp
+                tokens.select(0, step).copy_(tok)
+                logprobs.select(0, step).copy_(lp)
             else:
-                tokens[step].index_copy_(0, rows, tok)
-                logprobs[step].index_copy_(0, rows, lp)
-            hit = torch.isin(tok, stop_ids) if len(self.stop_token_ids) else torch.zeros_like(alive)  # [b]
+                tokens.select(0, step).index_copy_(0, rows, tok)
+                logprobs.select(0, step).index_copy_(0, rows, lp)
+            hit = is_stop(tok)  # [b]
             if matcher is not None:
                 hit |= matcher.check(rows, tok, alive)
             ended = hit | (live_limits <= step + 1) if step + 1 >= first_limit else hit  # [b]
@@ -321,6 +324,18 @@ class HfGeneration(GenerationInterface):
             logits = decoder.step(tok, pos, prompt_cols + step)  # [b, V]
             pos += 1
         return tokens.T, logprobs.T, gen_len, stopped
+
+
+def _stop_test(stop_ids: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """tokens [b] -> bool [b], whether each is a stop token (scalar compares for one or two ids: cheaper than isin)."""
+    if not stop_ids:
+        return lambda tok: torch.zeros(tok.shape, dtype=torch.bool, device=tok.device)
+    if len(stop_ids) == 1:
+        return lambda tok: tok == stop_ids[0]
+    if len(stop_ids) == 2:
+        return lambda tok: (tok == stop_ids[0]).logical_or_(tok == stop_ids[1])
+    ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    return lambda tok: torch.isin(tok, ids)
 
 
 class _StopStringMatcher:

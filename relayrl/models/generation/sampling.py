@@ -80,7 +80,7 @@ class TokenSampler:
         probs = apply_top_k_top_p(scaled, self.top_k, self.top_p).softmax(dim=-1)  # [B, V]
         tokens = sample_inverse_cdf(probs, self.generator, uniforms)  # [B, 1]
         # log of the gathered probability: one [B, V] pass fewer than a log_softmax, same value to ~1e-7.
-        return tokens.squeeze(1), probs.gather(1, tokens).squeeze(1).log()
+        return tokens.squeeze(1), probs.gather(1, tokens).log_().squeeze(1)
 
 
 def sample_inverse_cdf(
@@ -98,5 +98,18 @@ def sample_inverse_cdf(
     else:
         u = uniforms.to(device=probs.device, dtype=cdf.dtype).reshape(-1, 1)  # [B, 1]
     # Keep the target strictly below the total even after rounding, so the search always finds a real token.
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1]
+    # (The zero is cached: one allocation fewer per decode step.)
+    target = torch.minimum(u * total, torch.nextafter(total, _zero(total)))  # [B, 1]
     return torch.searchsorted(cdf, target, right=True)  # [B, 1]
+
+
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A cached 0-dim zero of `like`'s device and dtype (broadcasts; saves one allocation per decode step)."""
+    key = (like.device, like.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+    return zero

@@ -50,6 +50,24 @@ def test_repeat_interleave_is_contiguous_and_deep_copies_lists() -> None:
     assert isinstance(r, BatchedDataDict) and r.size == 6
 
 
+def test_repeat_interleave_copies_message_logs_like_deepcopy() -> None:
+    class Custom:  # anything but plain dicts / lists / tensors / scalars still goes through copy.deepcopy
+        def __init__(self) -> None:
+            self.items = [1]
+
+    msg = {"role": "user", "token_ids": torch.tensor([1, 2, 3]), "flags": {"x": [1]}, "obj": Custom(), "n": None}
+    b = BatchedDataDict({"message_log": [[msg]], "w": [torch.ones(2, requires_grad=True)]})
+    r = b.repeat_interleave(2)
+    first, second = r["message_log"][0][0], r["message_log"][1][0]
+    first["token_ids"][0] = 99  # tensors are copies: no row (nor the source) sees another's in-place edit
+    first["flags"]["x"].append(2)
+    first["obj"].items.append(2)
+    assert second["token_ids"].tolist() == [1, 2, 3] and msg["token_ids"].tolist() == [1, 2, 3]
+    assert second["flags"] == {"x": [1]} and msg["flags"] == {"x": [1]}
+    assert second["obj"].items == [1] and msg["obj"].items == [1] and first["n"] is None
+    assert r["w"][0].requires_grad and r["w"][0] is not b["w"][0] and r["w"][0] is not r["w"][1]
+
+
 def test_select_indices_orders_and_repeats() -> None:
     b = _bdd(4)
     s = b.select_indices([3, 1, 1])
