@@ -86,6 +86,8 @@ def run_multi_turn_rollout(
         gen_lens: list[int] = []
         starts = input_lengths.tolist()
         out_lens, out_truncated = out["generation_lengths"].tolist(), out["truncated"].tolist()
+        out_ids = out["output_ids"].to(torch.long).unbind(0)  # per-row views, [S + N] each
+        out_logprobs = out["logprobs"].to(torch.float32).unbind(0)
         for j, i in enumerate(active):
             start, g = int(starts[j]), int(out_lens[j])
             if out_truncated[j]:
@@ -96,13 +98,13 @@ def run_multi_turn_rollout(
                 )
                 g = max(0, max_seq_len - start)
                 truncated_rows[i] = done[j] = True
-            ids = out["output_ids"][j, start : start + g].to(torch.long)  # [g]
+            ids = out_ids[j][start : start + g]  # [g]
             batch["message_log"][i].append(
                 {
                     "role": "assistant",
                     "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
                     "token_ids": ids,
-                    "generation_logprobs": out["logprobs"][j, start : start + g].to(torch.float32),  # [g]
+                    "generation_logprobs": out_logprobs[j][start : start + g],  # [g]
                 }
             )
             gen_lens.append(g)
@@ -232,12 +234,15 @@ def batched_message_log_to_flat_message(
         keys.insert(0, "token_ids")
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     dtypes: dict[str, torch.dtype] = {}
+    row_lengths: list[int] = []
     for r, msgs in enumerate(message_logs):
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        row_length = 0
         for m_i, msg in enumerate(msgs):
             if "token_ids" not in msg:
                 raise ValueError(f"row {r} message {m_i} ({msg.get('role')}) has no token_ids")
             n_tok = len(msg["token_ids"])
+            row_length += n_tok
             for k in keys:
                 if k in msg:
                     t = torch.as_tensor(msg[k])
@@ -249,7 +254,8 @@ def batched_message_log_to_flat_message(
                     parts[k].append(torch.full((n_tok,), FLAT_KEYS[k]))  # dtype fixed on concatenation below
         for k in keys:
             rows[k].append(parts[k])
-    lengths = torch.tensor([sum(len(m["token_ids"]) for m in msgs) for msgs in message_logs], dtype=torch.long)  # [B]
+        row_lengths.append(row_length)
+    lengths = torch.tensor(row_lengths, dtype=torch.long)  # [B]
     longest = int(lengths.max()) if len(message_logs) else 0
     width = -(-longest // make_sequence_length_divisible_by) * make_sequence_length_divisible_by
     # Each row's tokens fill its first lengths[r] columns: one concatenation and one masked scatter per key
@@ -260,7 +266,7 @@ def batched_message_log_to_flat_message(
         dtype = torch.long if k == "token_ids" else dtypes.get(k, torch.float32)
         pad = pad_value_dict.get(k, FLAT_KEYS[k])
         out = torch.full((len(message_logs), width), pad, dtype=dtype)  # [B, S]
-        values = [p.to(dtype) for parts in rows[k] for p in parts]
+        values = [p if p.dtype == dtype else p.to(dtype) for parts in rows[k] for p in parts]
         if values:
             out.masked_scatter_(filled, torch.cat(values))
         flat[k] = out
