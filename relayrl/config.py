@@ -170,7 +170,7 @@ class GRPOConfig(Strict):
     num_generations_per_prompt: PositiveInt = 8
     max_rollout_turns: PositiveInt = 1
     max_num_epochs: PositiveInt = 1000
-    max_num_steps: PositiveInt = 500
+    max_num_steps: PositiveInt = 1000
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     val_period: NonNegInt = 50
