@@ -488,6 +488,12 @@ class MasterConfig(Strict):
                 raise ValueError(
                     f"{owner}.train_global_batch_size = {gbs} is not divisible by {owner}.train_micro_batch_size = {mbs}"
                 )
+            ranks = self.cluster.num_nodes * self.cluster.workers_per_node
+            if gbs % (ranks * mbs):
+                raise ValueError(
+                    f"{owner}.train_global_batch_size = {gbs} must split into {ranks} data-parallel workers of whole "
+                    f"micro-batches of {owner}.train_micro_batch_size = {mbs}: make it a multiple of {ranks * mbs}"
+                )
         g = self.grpo
         if g.batch_multiplier != 1 and not g.use_dynamic_sampling:
             raise ValueError("grpo.batch_multiplier must be 1 unless grpo.use_dynamic_sampling is true")

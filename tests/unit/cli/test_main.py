@@ -93,3 +93,5 @@ def test_ray_combinations_that_cannot_work_are_refused_clearly(capsys, tmp_path)
     assert code == 2 and "data_plane.backend=memory" in err and len(err.splitlines()) == 1
     code, err = _run(capsys, [*run_dir, "policy.generation.colocated.enabled=false"])  # no generation workers
     assert code == 2 and "colocated.resources" in err and len(err.splitlines()) == 1
+    code, err = _run(capsys, [*run_dir, "cluster.workers_per_node=2"])  # 128 rows cannot make 2 x 128-row shards
+    assert code == 2 and "multiple of 256" in err and len(err.splitlines()) == 1
