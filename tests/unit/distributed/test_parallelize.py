@@ -45,7 +45,8 @@ def nll_batch(vocab: int) -> BatchedDataDict:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_config_refuses_wrapping_on_several_local_workers(strategy: str) -> None:
-    overrides = {"policy": {"data_parallel": {"strategy": strategy}}, "cluster": {"workers_per_node": 2}}
+    mbs = {"train_micro_batch_size": 64}  # 128 rows split into 2 workers of whole micro-batches
+    overrides = {"policy": {"data_parallel": {"strategy": strategy}, **mbs}, "cluster": {"workers_per_node": 2}}
     with pytest.raises(ValidationError, match=r"policy.data_parallel.strategy=.* needs cluster.executor='ray'"):
         MasterConfig.model_validate(overrides)
     # one local worker, or Ray, is fine (fsdp2 only without saving the sharded optimizer state)
@@ -57,10 +58,10 @@ def test_config_refuses_wrapping_on_several_local_workers(strategy: str) -> None
         ray_cfg["checkpointing"] = {"save_optimizer": False}
     assert MasterConfig.model_validate(ray_cfg).policy.data_parallel.strategy == strategy
     # the critic's strategy is checked only when PPO builds a critic
-    MasterConfig.model_validate({"value": overrides["policy"], "cluster": {"workers_per_node": 2}})
+    MasterConfig.model_validate({"policy": mbs, "value": overrides["policy"], "cluster": {"workers_per_node": 2}})
     with pytest.raises(ValidationError, match=r"value.data_parallel.strategy"):
         MasterConfig.model_validate(
-            {"algorithm": "ppo", "value": overrides["policy"], "cluster": {"workers_per_node": 2}}
+            {"algorithm": "ppo", "policy": mbs, "value": overrides["policy"], "cluster": {"workers_per_node": 2}}
         )
 
 
