@@ -264,6 +264,15 @@ def step_metrics(
     return metrics
 
 
+def carry_sample_rows(carry: Any, rewards: torch.Tensor, step: int, n: int) -> list[dict]:
+    """`sample_rows` of a data-plane carry: its `sample_text` exists only for the rows the rollout sent text for."""
+    if "sample_text" not in carry:
+        return []
+    rows = [i for i, text in enumerate(carry["sample_text"]) if text is not None]
+    texts = [carry["sample_text"][i] for i in rows]
+    return sample_rows([t[0] for t in texts], [t[1] for t in texts], rewards[rows], step, n)
+
+
 def sample_rows(prompts: list[str], completions: list[str], rewards: torch.Tensor, step: int, n: int) -> list[dict]:
     """A few prompts/completions/rewards of the step for samples.jsonl."""
     return [

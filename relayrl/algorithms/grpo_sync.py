@@ -21,10 +21,10 @@ import torch
 from relayrl.algorithms.advantages import GRPOAdvantageEstimator, build_advantage_estimator, clip_advantages
 from relayrl.algorithms.grpo_common import (
     StepTail,
+    carry_sample_rows,
     early_stop_reached,
     post_process_rewards,
     resolve_logprob_skip_flags,
-    sample_rows,
     step_metrics,
 )
 from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
@@ -34,6 +34,7 @@ from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
+from relayrl.experience.ray_rollout import rollout_actor_cls  # SyncRolloutActor, or a Ray actor on Ray
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.timer import TimeoutChecker, Timer
@@ -77,8 +78,6 @@ def grpo_train_sync(
     estimator = build_advantage_estimator(g, cfg.loss_fn)
     skip_prev, skip_ref = resolve_logprob_skip_flags(cfg)
     train_fields = _train_fields_for_step(skip_prev, skip_ref)
-    from relayrl.experience.ray_rollout import rollout_actor_cls  # a Ray actor on the Ray executor
-
     rollout_actor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
     carry_keys = _CARRY + (["response_token_lengths"] if g.reward_shaping.enabled else [])
     carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
@@ -272,16 +271,7 @@ def grpo_train_sync(
             # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
             metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
             logger.log_metrics(dp_metrics, step)
-            samples: list[dict[str, Any]] = []
-            if "sample_text" in carry:  # text crossed for a few leading rows of each generation batch only
-                rows = [i for i, text in enumerate(carry["sample_text"]) if text is not None]
-                samples = sample_rows(
-                    [carry["sample_text"][i][0] for i in rows],
-                    [carry["sample_text"][i][1] for i in rows],
-                    rewards[rows],
-                    step,
-                    cfg.logger.num_train_samples_to_log,
-                )
+            samples = carry_sample_rows(carry, rewards, step, cfg.logger.num_train_samples_to_log)
             stop, last_metrics = tail.finish(step, metrics, samples)
             num_gen_batches, pending_unfiltered_rewards, step_carry_bytes = 0, [], 0
             if stop:

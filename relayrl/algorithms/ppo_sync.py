@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from relayrl.algorithms.grpo_common import StepTail, early_stop_reached, post_process_rewards, sample_rows
+from relayrl.algorithms.grpo_common import StepTail, carry_sample_rows, early_stop_reached, post_process_rewards
 from relayrl.algorithms.grpo_sync import _compute_seq_logprob_error_metrics, validate_sync
 from relayrl.algorithms.ppo import (
     _mean_over_epochs,
@@ -214,16 +214,7 @@ def ppo_train_sync(
                 **filter_metrics,
             )
             logger.log_metrics(dp_metrics, step)
-            samples: list[dict[str, Any]] = []
-            if "sample_text" in carry:  # text crossed for a few leading rows only
-                rows = [i for i, text in enumerate(carry["sample_text"]) if text is not None]
-                samples = sample_rows(
-                    [carry["sample_text"][i][0] for i in rows],
-                    [carry["sample_text"][i][1] for i in rows],
-                    rewards[rows],
-                    step,
-                    cfg.logger.num_train_samples_to_log,
-                )
+            samples = carry_sample_rows(carry, rewards, step, cfg.logger.num_train_samples_to_log)
             logger.log_metrics(critic_metrics, step, prefix="critic")
             stop, last_metrics = tail.finish(step, metrics, samples)
             last_metrics["critic"] = critic_metrics
