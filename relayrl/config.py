@@ -349,6 +349,9 @@ class ClusterConfig(Strict):
     ray_address: str | None = None
     deterministic: bool = False
     """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
+    retain_freed_memory: bool = True
+    """Keep freed tensor buffers (up to 32 MiB each) mapped for reuse instead of returning them to the OS (glibc
+    mallopt; like running under jemalloc/tcmalloc): saves thousands of page faults per CPU training step."""
 
 
 class DataPlaneConfig(Strict):

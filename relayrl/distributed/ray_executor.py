@@ -79,13 +79,20 @@ class _RankHost:
             "port": _free_port(),
         }
 
-    def setup(self, env: dict[str, str], payload: bytes, num_threads: int | None, deterministic: bool) -> int:
+    def setup(
+        self,
+        env: dict[str, str],
+        payload: bytes,
+        num_threads: int | None,
+        deterministic: bool,
+        retain_freed_memory: bool = True,
+    ) -> int:
         """Join the process group and build the worker. The payload is unpickled only after the env is set."""
         os.environ.update(env)
         from relayrl.distributed.local import SingleProcessCollective
         from relayrl.utils import device as dev
 
-        dev.apply_runtime_settings(deterministic, num_threads)
+        dev.apply_runtime_settings(deterministic, num_threads, retain_freed_memory)
         if self._world_size > 1:
             from relayrl.distributed.torch_collective import TorchDistCollective
 
@@ -224,7 +231,8 @@ class RayWorkerGroup(Generic[W]):
                 "MASTER_ADDR": str(infos[0]["ip"]),
                 "MASTER_PORT": str(infos[0]["port"]),
             }
-            refs.append((r, actor.setup.remote(rank_env, payload, cluster.torch_num_threads, cluster.deterministic)))
+            settings = (cluster.torch_num_threads, cluster.deterministic, cluster.retain_freed_memory)
+            refs.append((r, actor.setup.remote(rank_env, payload, *settings)))
         self._gather(refs, "worker construction", None)
 
     # ------------------------------------------------------------------ WorkerGroup protocol

@@ -45,7 +45,7 @@ class _HostedRolloutActor(SyncRolloutActor):
     ) -> None:
         from relayrl.utils import device as dev
 
-        dev.apply_runtime_settings(deterministic, torch_num_threads)
+        dev.apply_runtime_settings(deterministic, torch_num_threads, master_config.cluster.retain_freed_memory)
         kind, payload = envs
         if kind == "pickled":
             task_to_env = pickle.loads(payload)

@@ -7,7 +7,9 @@ This is the only module that mentions CUDA, so the rest of the code runs unchang
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import platform
 from collections.abc import Iterator
 from typing import Literal
 
@@ -73,17 +75,49 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device)
                 state[key] = value.to(device, non_blocking=False)
 
 
-def apply_runtime_settings(deterministic: bool = False, num_threads: int | None = None) -> None:
-    """Process-wide torch settings from `cluster.*`: bitwise-reproducible kernels and intra-op thread count.
+def apply_runtime_settings(
+    deterministic: bool = False, num_threads: int | None = None, retain_freed_memory: bool = True
+) -> None:
+    """Process-wide settings from `cluster.*`: bitwise-reproducible kernels, intra-op thread count, heap reuse.
 
     Only switches things on: a policy built without `deterministic` leaves a caller's global choice alone.
     """
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    if retain_freed_memory:
+        retain_freed_heap_memory()
     if deterministic:
         # cuBLAS needs a fixed workspace for deterministic GEMMs; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+#: glibc mallopt parameters (malloc.h) and the values `retain_freed_heap_memory` sets.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 * 2**20  # glibc's maximum on 64-bit: blocks up to 32 MiB come from the heap
+TRIM_THRESHOLD_BYTES = 2**30  # keep up to 1 GiB of free memory at the top of the heap instead of unmapping it
+_heap_retained: bool | None = None
+
+
+def retain_freed_heap_memory() -> bool:
+    """Keep freed tensor buffers of up to 32 MiB mapped for reuse (glibc); returns whether the setting is in effect.
+
+    Why: glibc's defaults hand multi-MB blocks back to the OS when they are freed (mmap threshold, heap trimming),
+    so a CPU training step page-faults its activation buffers in again every time: ~2,500 faults per step at the
+    TRL-benchmark shape, ~10 ms of a 110 ms training pass. The same idea as running PyTorch on CPU under jemalloc or
+    tcmalloc, without preloading a library. Process-wide, set once; a no-op off glibc.
+    """
+    global _heap_retained
+    if _heap_retained is None:
+        _heap_retained = False
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+                _heap_retained = ok and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+            except (OSError, AttributeError):
+                _heap_retained = False
+    return _heap_retained
 
 
 def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:

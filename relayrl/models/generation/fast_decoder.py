@@ -193,6 +193,10 @@ class FastDecoder:
         cos = self.cos.index_select(0, positions).view(b, 1, 1, self.head_dim)
         sin = self.signed_sin.index_select(0, positions).view(b, 1, 1, self.head_dim)
         bias = None if self.key_bias is None else self.key_bias.narrow(3, 0, end)  # [b, 1, 1, end]
+        on_cpu = tokens.device.type == "cpu"
+        attend = self._decode_attention_on_cpu if on_cpu else self._decode_attention
+        if on_cpu and bias is not None:
+            bias = bias.expand(b, self.n_kv, 1, end).reshape(b * self.n_kv, 1, end)  # per (row, KV head), once
         h = F.embedding(tokens, self.embed)  # [b, H]
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             x = _rms(h, layer.in_norm, layer.in_eps)
@@ -204,17 +208,34 @@ class FastDecoder:
                 q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
             k_cache.narrow(2, col, 1).copy_(_rope(k, cos, sin))
             v_cache.narrow(2, col, 1).copy_(v)
-            a = F.scaled_dot_product_attention(
-                _rope(q, cos, sin),
-                k_cache.narrow(2, 0, end),
-                v_cache.narrow(2, 0, end),
-                attn_mask=bias,
-                scale=self.scaling,
-            )  # [b, Hkv, G, D]
+            a = attend(_rope(q, cos, sin), k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), bias)  # [b,Hkv,G,D]
             h = h + F.linear(a.reshape(b, -1), *layer.o)
             x = _rms(h, layer.post_norm, layer.post_eps)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
         return F.linear(_rms(h, self.final_norm, self.final_eps), *self.head)
+
+    def _decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [b, Hkv, G, D] against the cached k/v [b, Hkv, T, D] (bias [b, 1, 1, T] or None) -> [b, Hkv, G, D]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
+
+    def _decode_attention_on_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """As `_decode_attention` (bias [b * Hkv, 1, T] here), as three batched matmul-level ops.
+
+        For one query per row the CPU SDPA kernel spends more on its blocking set-up than on the arithmetic; scores
+        by baddbmm, softmax, then bmm take ~25% less per call at the bench's shape. Values agree with SDPA to float32
+        rounding (~1e-7), not bitwise."""
+        b, hkv, g, d = q.shape
+        t = k.shape[2]
+        q3, k3, v3 = q.reshape(b * hkv, g, d), k.reshape(b * hkv, t, d), v.reshape(b * hkv, t, d)
+        if bias is None:
+            scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(self.scaling)  # [b * Hkv, G, T]
+        else:
+            scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=self.scaling)  # [b * Hkv, G, T]
+        return torch.bmm(scores.softmax(dim=-1), v3).view(b, hkv, g, d)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep rows `index` (in that order; repeats allowed) of every cache."""

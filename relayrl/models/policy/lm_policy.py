@@ -90,7 +90,9 @@ class Policy(ColocatablePolicyInterface):
     ) -> None:
         self.cfg = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         self.cluster = cluster if cluster is not None else ClusterConfig()
-        dev.apply_runtime_settings(self.cluster.deterministic, self.cluster.torch_num_threads)
+        dev.apply_runtime_settings(
+            self.cluster.deterministic, self.cluster.torch_num_threads, self.cluster.retain_freed_memory
+        )
         self.tokenizer = tokenizer
         self.has_reference = init_reference_model
         self.dp_size = self.cluster.num_nodes * self.cluster.workers_per_node

@@ -91,7 +91,9 @@ class Value(ValueInterface):
     ) -> None:
         self.cfg = coerce_value_config(config)
         self.cluster = cluster if cluster is not None else ClusterConfig()
-        dev.apply_runtime_settings(self.cluster.deterministic, self.cluster.torch_num_threads)
+        dev.apply_runtime_settings(
+            self.cluster.deterministic, self.cluster.torch_num_threads, self.cluster.retain_freed_memory
+        )
         self.tokenizer = tokenizer
         self.dp_size = self.cluster.num_nodes * self.cluster.workers_per_node
         self._group: WorkerGroup[ValueWorker] = build_worker_group(
