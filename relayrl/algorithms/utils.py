@@ -108,10 +108,9 @@ def calculate_baseline_and_std_per_prompt(
     finite; results come back in the rewards' dtype and device.
     """
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    baseline = torch.zeros(rewards.shape, dtype=out_dtype, device=rewards.device)  # [B]
-    std = torch.zeros_like(baseline)  # [B]
     if rewards.numel() == 0:
-        return baseline, std
+        empty = torch.zeros(rewards.shape, dtype=out_dtype, device=rewards.device)
+        return empty, empty.clone()
     if std_rewards is None:
         std_rewards = rewards
 
@@ -120,28 +119,28 @@ def calculate_baseline_and_std_per_prompt(
     v = valid_mask.to(device=rewards.device, dtype=torch.float64)  # [B]
     _, group_ids = torch.unique(prompts, dim=0, return_inverse=True)  # [B]
     group_ids = group_ids.to(rewards.device)
+    num_groups = int(group_ids.max()) + 1
 
-    for gid in torch.unique(group_ids):
-        idx = (group_ids == gid).nonzero(as_tuple=True)[0]  # [n]
-        n = idx.numel()
-        r_g, s_g, v_g = r[idx], s[idx], v[idx]
-        num_valid = float(v_g.sum())
-        if num_valid <= 1:
-            baseline[idx] = rewards[idx].to(out_dtype)
-            continue
-        if leave_one_out_baseline:
-            mult = 1 - torch.eye(n, dtype=torch.float64, device=r.device)  # [n, n]
-            k = num_valid - 1
-        else:
-            mult = torch.ones(n, n, dtype=torch.float64, device=r.device)  # [n, n]
-            k = num_valid
-        baseline[idx] = (mult @ (r_g * v_g) / k).to(out_dtype)
-        if k > 1:
-            m1 = mult @ (s_g * v_g) / k  # [n]
-            m2 = mult @ (s_g.square() * v_g) / k  # [n]
-            # Rounding (or the invalid-row LOO quirk) can make m2 - m1^2 slightly negative: that reads as std 0.
-            var = ((m2 - m1.square()) * (k / (k - 1))).clamp(min=0)
-            std[idx] = torch.nan_to_num(var.sqrt(), nan=0.0).to(out_dtype)
+    def group_total(x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over each row's group, per row: [B] -> [B] (one scatter, no loop over groups)."""
+        return torch.zeros(num_groups, dtype=torch.float64, device=x.device).index_add_(0, group_ids, x)[group_ids]
+
+    def others(x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the row's group (leave-one-out: over the group's *other* rows)."""
+        total = group_total(x)
+        return total - x if leave_one_out_baseline else total
+
+    num_valid = group_total(v)  # [B] valid rows in the row's group
+    k = num_valid - 1 if leave_one_out_baseline else num_valid  # [B] divisor
+    scored = num_valid > 1  # groups with at most one valid row: baseline = reward, std 0
+    safe_k = torch.where(scored, k, torch.ones_like(k))
+    baseline = torch.where(scored, others(r * v) / safe_k, r).to(out_dtype)
+    has_std = scored & (k > 1)
+    m1 = others(s * v) / safe_k  # [B]
+    m2 = others(s.square() * v) / safe_k  # [B]
+    # Rounding (or the invalid-row LOO quirk) can make m2 - m1^2 slightly negative: that reads as std 0.
+    var = ((m2 - m1.square()) * (safe_k / torch.where(has_std, safe_k - 1, torch.ones_like(k)))).clamp(min=0)
+    std = torch.where(has_std, torch.nan_to_num(var.sqrt(), nan=0.0), torch.zeros_like(var)).to(out_dtype)
     return baseline, std
 
 

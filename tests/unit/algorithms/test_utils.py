@@ -169,6 +169,38 @@ def test_baseline_huge_and_tiny_magnitudes_stay_finite() -> None:
         assert std[1].item() == pytest.approx(math.sqrt(2) * scale, rel=1e-4)
 
 
+def _baseline_by_definition(groups: list[int], r: list[float], v: list[float], loo: bool) -> tuple[list, list]:
+    """Row by row from the docstring's definition (plain Python floats)."""
+    base, std = [], []
+    for i, g in enumerate(groups):
+        members = [j for j, h in enumerate(groups) if h == g]
+        num_valid = sum(v[j] for j in members)
+        if num_valid <= 1:
+            base.append(r[i])
+            std.append(0.0)
+            continue
+        pool = [j for j in members if not (loo and j == i)]
+        k = num_valid - 1 if loo else num_valid
+        mean = sum(r[j] * v[j] for j in pool) / k
+        base.append(mean)
+        m2 = sum(r[j] ** 2 * v[j] for j in pool) / k
+        std.append(math.sqrt(max(0.0, (m2 - mean**2) * k / (k - 1))) if k > 1 else 0.0)
+    return base, std
+
+
+@pytest.mark.parametrize("loo", [True, False])
+def test_baseline_matches_its_definition_on_random_groups(loo: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        groups = torch.randint(0, 5, (13,), generator=gen)
+        rewards = torch.randn(13, generator=gen, dtype=torch.float64)
+        valid = (torch.rand(13, generator=gen) > 0.25).double()
+        base, std = calculate_baseline_and_std_per_prompt(groups[:, None], rewards, valid, leave_one_out_baseline=loo)
+        want_base, want_std = _baseline_by_definition(groups.tolist(), rewards.tolist(), valid.tolist(), loo)
+        assert base.tolist() == pytest.approx(want_base, rel=1e-9, abs=1e-12)
+        assert std.tolist() == pytest.approx(want_std, rel=1e-7, abs=1e-9)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_baseline_stays_on_cuda() -> None:
