@@ -443,6 +443,10 @@ class PPOConfig(Strict):
 
 
 # ---------------------------------------------------------------------------------------------------- top level
+#: `policy.scheduler` of a GRPO run that sets none (see MasterConfig._grpo_lr_schedule).
+GRPO_LR_SCHEDULE: dict[str, Any] = {"name": "cosine", "min_lr_ratio": 0.1}
+
+
 class MasterConfig(Strict):
     algorithm: Literal["grpo", "ppo"] = "grpo"
     """Which trainer `relayrl train` runs: GRPO (the `grpo` block) or actor-critic PPO (`ppo`, `value`)."""
@@ -459,6 +463,31 @@ class MasterConfig(Strict):
     ppo: PPOConfig = PPOConfig()
     value: ValueConfig = ValueConfig()
     value_loss_fn: MseValueLossConfig = MseValueLossConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _grpo_lr_schedule(cls, data: Any) -> Any:
+        """In a GRPO run `policy.scheduler` defaults to cosine decay to 10% over grpo.max_num_steps (keys given win).
+
+        Why: at a constant LR the default run's validation accuracy keeps swinging by +-3 points once it has learned
+        (the last value read anywhere in 0.55-0.615 on one seed); with the decay it settles (0.61-0.625 over the
+        last 350 steps). PPO and a standalone PolicyConfig (no run length to decay over) keep the constant default.
+        """
+        if not isinstance(data, dict) or data.get("algorithm", "grpo") != "grpo":
+            return data
+        policy = data.get("policy")
+        if isinstance(policy, PolicyConfig):
+            kept: dict[str, Any] = {}
+            if "scheduler" in policy.model_fields_set:
+                kept = policy.scheduler.model_dump(include=policy.scheduler.model_fields_set)
+            merged = SchedulerConfig(**{**GRPO_LR_SCHEDULE, **kept})
+            return {**data, "policy": policy.model_copy(update={"scheduler": merged})}
+        if policy is None or isinstance(policy, dict):
+            given = (policy or {}).get("scheduler")
+            if given is None or isinstance(given, dict):
+                raw_scheduler = {**GRPO_LR_SCHEDULE, **(given or {})}
+                return {**data, "policy": {**(policy or {}), "scheduler": raw_scheduler}}
+        return data
 
     @model_validator(mode="before")
     @classmethod

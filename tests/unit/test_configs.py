@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config import MasterConfig
+from relayrl.config import MasterConfig, PolicyConfig, SchedulerConfig
 from relayrl.utils.config_io import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -22,6 +22,21 @@ def test_config_validates_and_has_launch_header(path: Path):
 def test_default_example_equals_schema_defaults():
     path = Path(__file__).resolve().parents[2] / "configs" / "grpo_arith_tiny.yaml"
     assert load_config(path) == MasterConfig()
+
+
+def test_grpo_runs_default_to_a_cosine_lr_decay_and_keys_given_win():
+    assert MasterConfig().policy.scheduler == SchedulerConfig(name="cosine", min_lr_ratio=0.1)
+    warm = load_config(None, ["policy.scheduler.warmup_steps=3"]).policy.scheduler
+    assert (warm.name, warm.warmup_steps, warm.min_lr_ratio) == ("cosine", 3, 0.1)
+    assert load_config(None, ["policy.scheduler.name=constant"]).policy.scheduler.name == "constant"
+    explicit = MasterConfig(policy=PolicyConfig(scheduler=SchedulerConfig(name="constant")))
+    assert explicit.policy.scheduler.name == "constant"
+    assert MasterConfig(policy=PolicyConfig(model_name="x")).policy.scheduler.name == "cosine"
+    # PPO and a standalone policy (no run length to decay over) keep the constant schema default.
+    assert load_config(None, ["algorithm=ppo"]).policy.scheduler.name == "constant"
+    assert PolicyConfig().scheduler.name == "constant"
+    resolved = MasterConfig()
+    assert MasterConfig.model_validate(resolved.model_dump(mode="json")) == resolved  # run-dir config reloads as-is
 
 
 def test_overrides_and_inheritance(tmp_path):
