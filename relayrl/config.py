@@ -547,16 +547,6 @@ class MasterConfig(Strict):
                     f"{owner}.data_parallel.strategy={dp.strategy!r} needs cluster.executor='ray' with {ranks} workers "
                     "(in-process workers support only 'manual')"
                 )
-            if (
-                dp.strategy == "fsdp2"
-                and ranks > 1
-                and self.checkpointing.enabled
-                and self.checkpointing.save_optimizer
-            ):
-                raise ValueError(
-                    f"{owner}.data_parallel.strategy='fsdp2' shards the optimizer state over ranks and cannot save it "
-                    "from rank 0: set checkpointing.save_optimizer=false or use 'ddp'"
-                )
         if self.cluster.executor == "ray":
             res = p.generation.colocated.resources
             if not p.generation.colocated.enabled and (res.num_nodes is None or res.workers_per_node is None):

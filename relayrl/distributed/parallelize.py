@@ -188,13 +188,41 @@ class DataParallel:
                 src = full[name].detach().to(p.device)
                 p.to_local().copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
 
-    def check_optimizer_checkpoint(self, what: str) -> None:
-        """fsdp2 optimizer state is sharded over ranks; rank-0-only save/load would see one shard. Refuse clearly."""
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer.state_dict()` with every sharded (fsdp2 DTensor) state tensor gathered whole.
+
+        The result has the layout of a one-rank optimizer's state, so an optimizer checkpoint moves between strategies
+        and rank counts. Under fsdp2 this is a collective: every rank must call it (rank 0 then writes the file)."""
+        sd = optimizer.state_dict()
+        if self.strategy != "fsdp2":
+            return sd
+        from torch.distributed.tensor import DTensor
+
+        state = {
+            idx: {k: (v.full_tensor().cpu() if isinstance(v, DTensor) else v) for k, v in st.items()}
+            for idx, st in sd["state"].items()
+        }
+        return {**sd, "state": state}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+        """Load a state from `full_optimizer_state`; under fsdp2 each rank cuts its shards from the whole tensors."""
         if self.strategy == "fsdp2":
-            raise ValueError(
-                f"{what}: optimizer state is sharded under data_parallel.strategy='fsdp2' with {self.world_size} ranks; "
-                "saving or loading it needs every rank (set checkpointing.save_optimizer=false, or use 'ddp')"
-            )
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            state = {}
+            for idx, st in sd["state"].items():
+                p = params[int(idx)]
+                if isinstance(p, DTensor):  # moments have the parameter's shape; scalars (step) stay as they are
+                    st = {
+                        k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                        if isinstance(v, torch.Tensor) and v.shape == p.shape
+                        else v
+                        for k, v in st.items()
+                    }
+                state[idx] = st
+            sd = {**sd, "state": state}
+        optimizer.load_state_dict(sd)
 
 
 def wrap_model(model: nn.Module, strategy: str, comm: Any, device: torch.device) -> DataParallel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.parallelize import DataParallel
+from relayrl.utils import device as dev
 
 
 def all_reduce_clip_and_step(
@@ -172,3 +174,39 @@ def train_global_batches(
         "num_valid_seqs": total_seqs,
         "num_valid_tokens": total_toks,
     }
+
+
+#: File name of the optimizer + scheduler state inside an optimizer checkpoint directory.
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def save_optimizer_checkpoint(
+    path: str, optimizer: torch.optim.Optimizer, scheduler: Any, weights_version: int, dp: DataParallel, rank: int
+) -> None:
+    """Write optimizer + scheduler state (whole tensors, whatever the strategy) to `path`/optimizer.pt from rank 0.
+
+    Every rank must call it: under fsdp2 gathering the sharded moments is a collective."""
+    state = {
+        "optimizer": dp.full_optimizer_state(optimizer),
+        "scheduler": scheduler.state_dict(),
+        "weights_version": weights_version,
+    }
+    if rank == 0:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(path) / OPTIMIZER_FILE)
+
+
+def load_optimizer_checkpoint(
+    path: str, optimizer: torch.optim.Optimizer, scheduler: Any, dp: DataParallel, device: torch.device
+) -> int:
+    """Load what `save_optimizer_checkpoint` wrote (a directory or the file itself); returns the weights_version."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / OPTIMIZER_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"optimizer checkpoint not found: {file}")
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    dp.load_optimizer_state(optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    dev.move_optimizer_state(optimizer, device)
+    return int(state.get("weights_version", 0))

@@ -3,8 +3,8 @@
 Each strategy trains 2 Ray workers (gloo, one torch thread each) on the same batches as one in-process worker:
 two train() calls of two global batches each, the second with micro-batches of one row, so that the last
 micro-batch of rank 1's first global batch has no valid sample (sample_mask 0) and runs as a zero-loss dummy under
-DDP/FSDP2, and the last one of its second global batch has a valid sample but no loss token. Losses, grad norms, updated weights (on every rank), logprobs, refit manifests and checkpoint tensor names
-must all agree to 1e-5. The critic (value worker) gets the same check for one DDP and one FSDP2 run.
+DDP/FSDP2, and the last one of its second global batch has a valid sample but no loss token. Losses, grad norms, updated weights (on every rank), logprobs, refit manifests, checkpoint tensors, the saved
+optimizer moments and the steps after resuming from that checkpoint must all agree to 1e-5. The critic (value worker) gets the same check for one DDP and one FSDP2 run.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class InspectedPolicy(Policy):
 
 
 def run_policy(policy: Policy, vocab: int, ckpt: Path, model_dir: Path) -> dict[str, Any]:
-    """Two train() calls (mbs 2, then 1), then logprobs, the refit view of every rank and a checkpoint; then the
-    start weights are loaded back and one more step runs (its loss is taken before the update)."""
+    """Two train() calls (mbs 2, then 1), then logprobs, the refit view of every rank and a checkpoint with the
+    optimizer state; then the start weights are loaded back and one more step runs (its loss is taken before the
+    update); then the checkpoint (weights + Adam moments + scheduler) is loaded and one more train() call runs."""
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
     results = []
     for seed, mbs in ((0, 2), (1, 1)):
@@ -95,14 +96,20 @@ def run_policy(policy: Policy, vocab: int, ckpt: Path, model_dir: Path) -> dict[
         data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
         results.append(policy.train(data, loss_fn, mbs=mbs))
     per_rank = [{k: v.detach().clone() for k, v in sd.items()} for sd in policy._group.run_all("state_dict_for_refit")]
-    policy.save_checkpoint(str(ckpt))
+    policy.save_checkpoint(str(ckpt), str(ckpt / "optimizer"))  # FSDP2: every rank gathers its moment shards
     logprobs = policy.get_logprobs(make_batch(vocab, 2))["logprobs"]
     policy.load_checkpoint(str(model_dir))  # FSDP2 must re-cut its shards from the loaded full weights
-    data = make_batch(vocab, 0)
-    data["prev_logprobs"] = data["generation_logprobs"] = policy.get_logprobs(data)["logprobs"]
-    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
-    results.append(policy.train(data, loss_fn, mbs=2))
+    for seed, weights, optimizer in ((0, model_dir, None), (3, ckpt, ckpt / "optimizer")):
+        if optimizer is not None:  # resume: FSDP2 cuts each rank's moment shards from the whole saved tensors
+            policy.load_checkpoint(str(weights), str(optimizer))
+        data = make_batch(vocab, seed)
+        data["prev_logprobs"] = data["generation_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+        results.append(policy.train(data, loss_fn, mbs=2))
+    resumed = policy._group.run_all("state_dict_for_refit")
     return {
+        "resumed": [{k: v.detach().clone() for k, v in sd.items()} for sd in resumed],
+        "moments": torch.load(ckpt / "optimizer" / "optimizer.pt", weights_only=True)["optimizer"]["state"],
         "results": results,
         "per_rank": per_rank,  # cloned at once: the local executor returns the live tensors
         "refit_info": policy.prepare_refit_info(),
@@ -156,7 +163,7 @@ def test_two_ray_workers_match_one_worker(
     else:
         assert all(h["held"] == full for h in held)
     ref = one_worker
-    assert len(out["results"]) == len(ref["results"]) == 3
+    assert len(out["results"]) == len(ref["results"]) == 4
     assert torch.equal(ref["results"][2]["loss"][:1], ref["results"][0]["loss"][:1])  # same start weights, same rows
     for call, (r1, r2) in enumerate(zip(ref["results"], out["results"])):
         assert r2["loss"].shape == (2,)  # one global-batch loss per optimizer step
@@ -169,7 +176,7 @@ def test_two_ray_workers_match_one_worker(
         dropped = 1 if strategy != "manual" and call == 1 else 0
         assert len(r2["all_mb_metrics"]["loss"]) == len(r1["all_mb_metrics"]["loss"]) - dropped
         assert sum(r2["all_mb_metrics"]["loss"]) == pytest.approx(float(r1["loss"].mean()), abs=TOL)
-    assert out["version"] == ref["version"] == 7
+    assert out["version"] == ref["version"] == 6  # the resumed checkpoint's 4, plus the last call's 2 steps
     (ref_weights,) = ref["per_rank"]
     rank0, rank1 = out["per_rank"]
     assert list(rank0) == list(ref_weights)  # HF names in HF order: no `module.` / wrapper prefixes
@@ -178,6 +185,17 @@ def test_two_ray_workers_match_one_worker(
     assert out["refit_info"] == ref["refit_info"]
     assert max_diff(ref["checkpoint"], out["checkpoint"]) <= TOL
     assert (out["logprobs"] - ref["logprobs"]).abs().max() <= TOL
+    # The optimizer checkpoint holds whole moments whatever the strategy (FSDP2 gathered its shards) ...
+    assert out["moments"].keys() == ref["moments"].keys() and len(ref["moments"]) >= 20  # one entry per parameter
+    for idx, state in ref["moments"].items():
+        assert float(state["exp_avg_sq"].abs().max()) > 0  # real moments, not a fresh optimizer's zeros
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert out["moments"][idx][key].shape == state[key].shape
+            assert torch.allclose(out["moments"][idx][key], state[key], atol=TOL, rtol=0)
+        assert float(out["moments"][idx]["step"]) == float(state["step"]) == 4
+    # ... and resuming from it (weights + moments + scheduler) takes the same next steps on every rank.
+    assert max_diff(ref["resumed"][0], out["resumed"][0]) <= TOL
+    assert max_diff(out["resumed"][0], out["resumed"][1]) == 0.0
 
 
 def value_config(model_dir: Path, strategy: str) -> ValueConfig:

@@ -251,7 +251,8 @@ class Policy(ColocatablePolicyInterface):
         **kwargs: Any,
     ) -> None:
         """HF weights (+config) at weights_path; optimizer+scheduler state at optimizer_path; tokenizer too."""
-        self._group.run_rank0("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
+        # every rank: fsdp2 gathers its sharded optimizer state collectively (rank 0 writes the files)
+        self._group.run_all("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load saved weights (and optimizer state) into the live model; the reference model is left as it is."""

@@ -194,7 +194,8 @@ class Value(ValueInterface):
         **kwargs: Any,
     ) -> None:
         """Backbone (HF directory) + head at weights_path; optimizer+scheduler at optimizer_path; tokenizer too."""
-        self._group.run_rank0("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
+        # every rank: fsdp2 gathers its sharded optimizer state collectively (rank 0 writes the files)
+        self._group.run_all("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load a saved critic (and optimizer state) into the live model of every rank."""

@@ -32,9 +32,14 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.distributed.parallelize import wrap_model
-from relayrl.models.optim import all_reduce_clip_and_step, train_global_batches
+from relayrl.models.optim import (
+    all_reduce_clip_and_step,
+    load_optimizer_checkpoint,
+    save_optimizer_checkpoint,
+    train_global_batches,
+)
 from relayrl.models.policy.fast_forward import backbone_hidden_states
-from relayrl.models.policy.worker import _LOAD_LOCK, OPTIMIZER_FILE, lr_factor
+from relayrl.models.policy.worker import _LOAD_LOCK, lr_factor
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
 
@@ -202,17 +207,9 @@ class ValueWorker:
     def _load_optimizer(self, optimizer_path: str) -> None:
         if self.optimizer is None or self.scheduler is None:
             raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
-        self.dp.check_optimizer_checkpoint("loading value optimizer state")
-        path = Path(optimizer_path)
-        if path.is_dir():
-            path = path / OPTIMIZER_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"optimizer checkpoint not found: {path}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.weights_version = int(state.get("weights_version", 0))
-        dev.move_optimizer_state(self.optimizer, self.device)
+        self.weights_version = load_optimizer_checkpoint(
+            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device
+        )
 
     # ------------------------------------------------------------------ helpers
     def _model_device(self) -> torch.device:
@@ -344,23 +341,22 @@ class ValueWorker:
     def save_checkpoint(
         self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
     ) -> None:
-        """Backbone HF directory + value head at weights_path; optimizer/scheduler state at optimizer_path."""
+        """Backbone HF directory + value head at weights_path; optimizer/scheduler state at optimizer_path.
+
+        Called on every rank (gathering fsdp2's sharded optimizer state is a collective); rank 0 writes."""
+        if optimizer_path is not None:
+            if self.optimizer is None or self.scheduler is None:
+                raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
+            save_optimizer_checkpoint(
+                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank
+            )
+        if self.rank != 0:
+            return
         save_value_model(self.model, weights_path)
         if tokenizer_path is not None:
             if self.tokenizer is None:
                 raise ValueError("tokenizer_path was given but the value model has no tokenizer")
             self.tokenizer.save_pretrained(tokenizer_path)
-        if optimizer_path is not None:
-            if self.optimizer is None or self.scheduler is None:
-                raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
-            self.dp.check_optimizer_checkpoint("saving value optimizer state")
-            Path(optimizer_path).mkdir(parents=True, exist_ok=True)
-            state = {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "weights_version": self.weights_version,
-            }
-            torch.save(state, Path(optimizer_path) / OPTIMIZER_FILE)
 
     def shutdown(self) -> bool:
         self.optimizer = None

@@ -49,13 +49,10 @@ def test_config_refuses_wrapping_on_several_local_workers(strategy: str) -> None
     overrides = {"policy": {"data_parallel": {"strategy": strategy}, **mbs}, "cluster": {"workers_per_node": 2}}
     with pytest.raises(ValidationError, match=r"policy.data_parallel.strategy=.* needs cluster.executor='ray'"):
         MasterConfig.model_validate(overrides)
-    # one local worker, or Ray, is fine (fsdp2 only without saving the sharded optimizer state)
+    # one local worker, or Ray, is fine (fsdp2 optimizer checkpoints included: ranks gather their shards to save)
     MasterConfig.model_validate({**overrides, "cluster": {"workers_per_node": 1}})
     ray_cfg = {**overrides, "cluster": {"executor": "ray", "workers_per_node": 2}}
-    if strategy == "fsdp2":
-        with pytest.raises(ValidationError, match="checkpointing.save_optimizer=false"):
-            MasterConfig.model_validate(ray_cfg)
-        ray_cfg["checkpointing"] = {"save_optimizer": False}
+    assert MasterConfig.model_validate(ray_cfg).checkpointing.save_optimizer
     assert MasterConfig.model_validate(ray_cfg).policy.data_parallel.strategy == strategy
     # the critic's strategy is checked only when PPO builds a critic
     MasterConfig.model_validate({"policy": mbs, "value": overrides["policy"], "cluster": {"workers_per_node": 2}})
