@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -60,10 +61,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _quiet_stop_in_finalizers() -> None:
+    """Drop the "Exception ignored in __del__" traceback of a process being stopped; report every other one.
+
+    Tearing a group down stops its surviving ranks; Ray's SIGTERM handler raises SystemExit wherever the rank is,
+    and when that is inside a finalizer (a ZMQ socket's `__del__`, say) Python prints a traceback that Ray forwards
+    to the driver's terminal, right under relayrl's one-line error. Nothing is lost: the process is exiting.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, (SystemExit, KeyboardInterrupt)):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 class _RankHost:
     """Lives inside one actor process: owns that rank's collective and worker, and calls worker methods."""
 
     def __init__(self, rank: int, world_size: int, env: dict[str, str]) -> None:
+        _quiet_stop_in_finalizers()
         os.environ.update(env)
         self._rank = rank
         self._world_size = world_size

@@ -214,3 +214,20 @@ def test_torch_collective_rejects_bad_set_up(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
         TorchDistCollective(0, 2, backend="mpi")
+
+
+def test_rank_processes_drop_finalizer_tracebacks_of_being_stopped_but_keep_real_ones() -> None:
+    """A SystemExit raised inside a `__del__` (Ray's SIGTERM landing in a ZMQ socket's finalizer while a group is torn
+    down) prints nothing; any other exception in a finalizer is still reported."""
+    script = (
+        "from relayrl.distributed.ray_executor import _quiet_stop_in_finalizers\n"
+        "_quiet_stop_in_finalizers()\n"
+        "class Stopped:\n"
+        "    def __del__(self): raise SystemExit(15)\n"
+        "class Broken:\n"
+        "    def __del__(self): raise ValueError('a real bug')\n"
+        "Stopped(); Broken()\n"
+    )
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stderr
+    assert "ValueError: a real bug" in err
+    assert "SystemExit" not in err and err.count("Traceback") == 1
