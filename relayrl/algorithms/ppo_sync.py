@@ -36,7 +36,6 @@ from relayrl.algorithms.ppo import (
 )
 from relayrl.config import MasterConfig
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
-from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.ray_rollout import rollout_actor_cls
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
@@ -116,7 +115,6 @@ def ppo_train_sync(
             # ---- repeat prompts G times (the actor flattens and groups them) ----
             with timer.time("data_processing"):
                 repeated = batch.repeat_interleave(p.num_generations_per_prompt)
-                _refuse_assistant_messages_in_prompts(repeated)
 
             # ---- generate: one call rolls out, scores, flattens and writes the bulk to the store ----
             with timer.time("prepare_for_generation/total"):
@@ -246,17 +244,6 @@ def _kl_logprob_fields(cfg: MasterConfig, skip_ref: bool) -> tuple[str, ...]:
     if not (cfg.loss_fn.use_kl_in_reward and cfg.loss_fn.reference_policy_kl_penalty > 0):
         return ()
     return (PREV_LOGPROBS,) if skip_ref else (PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS)
-
-
-def _refuse_assistant_messages_in_prompts(batch: BatchedDataDict) -> None:
-    """The legacy PPO trainer also trains on assistant messages already in the prompt (no generation logprobs);
-    the rollout actor masks only sampled tokens. Refuse such data rather than train on a different mask."""
-    for log in batch["message_log"]:
-        if any(m["role"] == "assistant" for m in log):
-            raise NotImplementedError(
-                "prompts with assistant messages are not supported by the data-plane PPO trainer (the legacy "
-                "trainer trains on them); use data_plane.enabled=false"
-            )
 
 
 def _reset_byte_counters(policy: Any, value: Any, rollout_actor: SyncRolloutActor) -> None:

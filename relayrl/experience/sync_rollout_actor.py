@@ -1,7 +1,7 @@
 """SyncRolloutActor: one call per step that generates, scores, flattens and writes the rollout to the data plane.
 
 `rollout_to_tq` runs the same multi-turn rollout and the same flatten as the legacy trainer
-(`run_multi_turn_rollout`, `add_token_loss_masks(only_generated=True)`, `batched_message_log_to_flat_message`),
+(`run_multi_turn_rollout`, `add_token_loss_masks` as the legacy trainer masks, `batched_message_log_to_flat_message`),
 so the store holds bit for bit the tensors the legacy trainer would build. The bulk (`input_ids`,
 `input_lengths`, `generation_logprobs`, `token_mask`, `sample_mask`) is written once, unpadded, under keys minted
 here as `f"{uid}_g{i}"`; only per-row scalars and the small prompt ids (for grouping) return to the driver.
@@ -73,11 +73,16 @@ OPT_IN_CARRY_KEYS: tuple[str, ...] = (
 )
 
 
-def flatten_for_store(message_logs: Sequence[MessageLog], pad_id: int, multiple: int) -> dict[str, torch.Tensor]:
+def flatten_for_store(
+    message_logs: Sequence[MessageLog], pad_id: int, multiple: int, only_generated: bool = True
+) -> dict[str, torch.Tensor]:
     """The legacy trainer's training tensors for finished logs (masks added on shallow copies of the messages,
-    so the caller's logs are left as they are): `input_ids`, `input_lengths`, `generation_logprobs`, `token_mask`."""
+    so the caller's logs are left as they are): `input_ids`, `input_lengths`, `generation_logprobs`, `token_mask`.
+
+    `only_generated` as in `add_token_loss_masks`: GRPO trains on the tokens sampled in this rollout only, PPO (like
+    its legacy trainer) on every assistant message, including those a few-shot prompt brings."""
     logs = [[dict(m) for m in msgs] for msgs in message_logs]
-    add_token_loss_masks(logs, only_generated=True)
+    add_token_loss_masks(logs, only_generated=only_generated)
     flat, input_lengths = trim_to_last_loss_token(
         *batched_message_log_to_flat_message(logs, pad_value_dict={"token_ids": pad_id}),
         pad_value_dict={"token_ids": pad_id},
@@ -172,7 +177,12 @@ class SyncRolloutActor:
             max_rollout_turns=cfg.grpo.max_rollout_turns,
             greedy=greedy,
         )
-        bulk = flatten_for_store(final["message_log"], pad_id, cfg.policy.make_sequence_length_divisible_by)
+        bulk = flatten_for_store(
+            final["message_log"],
+            pad_id,
+            cfg.policy.make_sequence_length_divisible_by,
+            only_generated=cfg.algorithm != "ppo",  # the loss mask of the matching legacy trainer
+        )
         bulk[SAMPLE_MASK] = final["loss_multiplier"].clone().float()  # [B], legacy sample_mask before filtering
 
         keys = [sample_key(uid, i) for uid in uid_list for i in range(group_size)]

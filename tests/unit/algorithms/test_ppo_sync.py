@@ -16,9 +16,8 @@ from relayrl.algorithms.ppo import (
     whiten_with_moments,
     without_normalization,
 )
-from relayrl.algorithms.ppo_sync import _kl_logprob_fields, _refuse_assistant_messages_in_prompts, ppo_train_sync
+from relayrl.algorithms.ppo_sync import _kl_logprob_fields, ppo_train_sync
 from relayrl.config import MasterConfig
-from relayrl.distributed.batched_data_dict import BatchedDataDict
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,15 +74,7 @@ def test_kl_logprob_fields() -> None:
     assert _kl_logprob_fields(kl, skip_ref=True) == ("prev_logprobs",)  # the worker reads a skipped reference as zeros
 
 
-def test_refuses_prompts_with_assistant_messages_and_misconfigured_runs() -> None:
-    ok = BatchedDataDict(message_log=[[{"role": "user", "content": "1+1"}]])
-    _refuse_assistant_messages_in_prompts(ok)
-    few_shot = BatchedDataDict(
-        message_log=[[{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]]
-    )
-    with pytest.raises(NotImplementedError, match="assistant messages"):
-        _refuse_assistant_messages_in_prompts(few_shot)
-
+def test_refuses_misconfigured_runs() -> None:
     cfg = MasterConfig.model_validate({"algorithm": "ppo", "data_plane": {"enabled": False}})
     args = [object()] * 13
     with pytest.raises(ValueError, match="data_plane.enabled=true"):

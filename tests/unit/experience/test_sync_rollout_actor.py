@@ -295,3 +295,25 @@ def test_wire_carry_decodes_to_the_plain_carry_and_text_rows_limit_text(setup: S
     tensors = sum(plain[k].numel() * plain[k].element_size() for k in keys)
     text = sum(len(a.encode()) + len(b.encode()) for a, b in plain["sample_text"][:2])
     assert wire_nbytes(wire) - text < tensors / 2
+
+
+def test_flatten_for_store_masks_like_the_matching_legacy_trainer() -> None:
+    """GRPO trains on the tokens sampled in this rollout only; PPO (legacy `add_token_loss_masks(only_generated=False)`)
+    on every assistant message, including one a caller's prompt already holds (no generation logprobs)."""
+    from relayrl.experience.sync_rollout_actor import flatten_for_store
+
+    def msg(role: str, ids: list[int], logprobs: list[float] | None = None) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": role, "content": "x", "token_ids": torch.tensor(ids)}
+        if logprobs is not None:
+            m["generation_logprobs"] = torch.tensor(logprobs)
+        return m
+
+    log = [msg("user", [5, 6]), msg("assistant", [7, 8]), msg("user", [9]), msg("assistant", [10, 11], [-0.5, -0.25])]
+    grpo = flatten_for_store([log], pad_id=0, multiple=1)
+    ppo = flatten_for_store([log], pad_id=0, multiple=1, only_generated=False)
+    assert grpo["token_mask"].tolist() == [[0, 0, 0, 0, 0, 1, 1]]
+    assert ppo["token_mask"].tolist() == [[0, 0, 1, 1, 0, 1, 1]]
+    for flat in (grpo, ppo):
+        assert flat["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+        assert flat["generation_logprobs"].tolist() == [[0, 0, 0, 0, 0, -0.5, -0.25]]
+    assert "generation_logprobs" not in log[1]  # the caller's messages are left as they were
