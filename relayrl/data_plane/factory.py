@@ -8,8 +8,9 @@ Backend modules `relayrl.data_plane.ray_store` and `relayrl.data_plane.tq_adapte
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -43,12 +44,12 @@ def validate_data_plane_config(cfg: DataPlaneConfig | Mapping[str, Any] | None) 
 
 
 def build_data_plane_client(
-    cfg: DataPlaneConfig | Mapping[str, Any] | None, *, bootstrap: bool = True
+    cfg: DataPlaneConfig | Mapping[str, Any] | None, *, bootstrap: bool = True, in_driver: bool | None = None
 ) -> DataPlaneClient:
     """Build the client for `cfg.backend`, wrapped with `data_plane/*` metrics.
 
     `bootstrap=True` (driver) creates the store; `bootstrap=False` (workers, rollout actors) attaches to it.
-    Bytes moved through a bootstrap client are counted as bytes that passed through the driver.
+    Bytes moved through a client `in_driver` (default: a bootstrap client) count as bytes through the driver.
     """
     from relayrl.data_plane.metrics import MeteredDataPlaneClient
 
@@ -63,4 +64,37 @@ def build_data_plane_client(
         inner = module.build_client(parsed, bootstrap=bootstrap)
     else:  # unreachable while the config Literal matches; kept for configs built with model_construct
         raise ValueError(f"unknown data_plane backend: {parsed.backend!r} (expected memory, ray or transfer_queue)")
-    return MeteredDataPlaneClient(inner, is_driver=bootstrap)
+    return MeteredDataPlaneClient(inner, is_driver=bootstrap if in_driver is None else in_driver)
+
+
+class _WorkerGroup(Protocol):
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def shutdown(self) -> bool: ...
+
+
+def connect_driver_and_workers(group: _WorkerGroup, cfg: DataPlaneConfig, *, bootstrap: bool) -> DataPlaneClient:
+    """A driver-side facade's client (counted as driver traffic), then every worker's own (`setup_data_plane`).
+
+    If either step fails the client is closed and the group shut down, so a facade that cannot connect leaves
+    nothing running."""
+    try:
+        client = build_data_plane_client(cfg, bootstrap=bootstrap, in_driver=True)
+    except BaseException:
+        group.shutdown()
+        raise
+    try:
+        group.run_all("setup_data_plane", cfg)
+    except BaseException:
+        client.close()
+        group.shutdown()
+        raise
+    return client
+
+
+def close_quietly(client: DataPlaneClient) -> None:
+    """Close a facade's client on shutdown; a failure becomes a warning (the workers must still be shut down)."""
+    try:
+        client.close()
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"closing the data plane client failed: {exc}", stacklevel=3)

@@ -12,7 +12,6 @@ on any key left behind (a leak is an error, not a warning).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.column_io import read_columns, write_columns
-from relayrl.data_plane.factory import build_data_plane_client, validate_data_plane_config
+from relayrl.data_plane.factory import close_quietly, connect_driver_and_workers, validate_data_plane_config
 from relayrl.data_plane.interfaces import DataPlaneClient, DataPlaneError, KVBatchMeta, format_keys
 from relayrl.data_plane.preshard import shard_meta_for_dp
 from relayrl.data_plane.schema import (
@@ -84,25 +83,12 @@ class TQPolicy(Policy):
             raise ValueError(f"TQPolicy needs a positive data-parallel size, got {self.dp_size}")
         self.dp_cfg = parsed
         self.tq_partition_id = tq_partition_id
-        try:
-            self.dp_client: DataPlaneClient = build_data_plane_client(parsed, bootstrap=True)
-        except BaseException:
-            self._group.shutdown()
-            raise
-        try:
-            self._group.run_all("setup_data_plane", parsed)
-        except BaseException:
-            self.dp_client.close()
-            self._group.shutdown()
-            raise
+        self.dp_client: DataPlaneClient = connect_driver_and_workers(self._group, parsed, bootstrap=True)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> bool:
         """Close the driver's client (errors become warnings), then shut the workers down."""
-        try:
-            self.dp_client.close()
-        except Exception as exc:  # noqa: BLE001 - the workers must still be shut down
-            warnings.warn(f"closing the data plane client failed: {exc}", stacklevel=2)
+        close_quietly(self.dp_client)
         return super().shutdown()
 
     # ------------------------------------------------------------------ partition lifecycle

@@ -11,16 +11,14 @@ the step's keys and fails on any key left behind.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.column_io import pack_fields, read_columns
-from relayrl.data_plane.factory import build_data_plane_client, validate_data_plane_config
+from relayrl.data_plane.factory import close_quietly, connect_driver_and_workers, validate_data_plane_config
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta, format_keys
-from relayrl.data_plane.metrics import MeteredDataPlaneClient
 from relayrl.data_plane.preshard import shard_meta_for_dp
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
@@ -78,27 +76,13 @@ class TQValue(Value):
         super().__init__(*args, **kwargs)
         self.dp_cfg = parsed
         self.tq_partition_id = tq_partition_id
-        try:
-            self.dp_client: DataPlaneClient = build_data_plane_client(parsed, bootstrap=False)
-            if isinstance(self.dp_client, MeteredDataPlaneClient):
-                self.dp_client.is_driver = True  # attached, but in the driver: its bytes crossed the driver
-        except BaseException:
-            self._group.shutdown()
-            raise
-        try:
-            self._group.run_all("setup_data_plane", parsed)
-        except BaseException:
-            self.dp_client.close()
-            self._group.shutdown()
-            raise
+        # attached (the policy bootstrapped the store), but in the driver: its bytes crossed the driver
+        self.dp_client: DataPlaneClient = connect_driver_and_workers(self._group, parsed, bootstrap=False)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> bool:
         """Close the driver's client (errors become warnings), then shut the workers down."""
-        try:
-            self.dp_client.close()
-        except Exception as exc:  # noqa: BLE001 - the workers must still be shut down
-            warnings.warn(f"closing the data plane client failed: {exc}", stacklevel=2)
+        close_quietly(self.dp_client)
         return super().shutdown()
 
     # ------------------------------------------------------------------ partition lifecycle

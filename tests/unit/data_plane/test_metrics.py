@@ -65,3 +65,37 @@ def test_factory_clients_are_metered_and_close_twice() -> None:
     c.close()
     c.close()
     assert c.metrics()["data_plane/close/count"] == 2
+
+
+class _Group:
+    """A worker group that records calls; `fail` makes the workers' attach step raise."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.calls = fail, []
+
+    def run_all(self, method: str, *args: Any) -> None:
+        self.calls.append(method)
+        if self.fail:
+            raise RuntimeError("worker could not attach")
+
+    def shutdown(self) -> bool:
+        self.calls.append("shutdown")
+        return True
+
+
+def test_facade_connection_counts_as_driver_and_cleans_up_on_failure() -> None:
+    from relayrl.data_plane.factory import close_quietly, connect_driver_and_workers, validate_data_plane_config
+
+    cfg = validate_data_plane_config({"enabled": True, "backend": "memory"})
+    group = _Group(fail=False)
+    driver = connect_driver_and_workers(group, cfg, bootstrap=True)
+    attached = connect_driver_and_workers(group, cfg, bootstrap=False)  # e.g. the critic: attached, in the driver
+    assert group.calls == ["setup_data_plane", "setup_data_plane"]
+    assert isinstance(attached, MeteredDataPlaneClient) and attached.is_driver
+    assert not build_data_plane_client(cfg, bootstrap=False).is_driver  # a worker's own client
+    close_quietly(attached)
+    close_quietly(driver)
+    broken = _Group(fail=True)
+    with pytest.raises(RuntimeError, match="could not attach"):
+        connect_driver_and_workers(broken, cfg, bootstrap=True)
+    assert broken.calls == ["setup_data_plane", "shutdown"]
