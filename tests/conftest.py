@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> 
     )
     save_tiny_model(path, model, char_tokenizer)
     return path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray for one test module, shut down at its end if this fixture started it.
+
+    num_cpus is the module's `RAY_NUM_CPUS` (default 4: on 2 cores TransferQueue's actors wait forever with fewer);
+    no dashboard, worker logs kept out of the test output, no token file written to the home directory."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -9,8 +9,6 @@ optimizer moments and the steps after resuming from that checkpoint must all agr
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,19 +115,6 @@ def run_policy(policy: Policy, vocab: int, ckpt: Path, model_dir: Path) -> dict[
         "checkpoint": load_file(str(ckpt / "model.safetensors")),
         "version": policy.weights_version,
     }
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        yield
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

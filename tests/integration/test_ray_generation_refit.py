@@ -7,8 +7,6 @@ workers gives the tokens one engine gives on the policy's weights, with log-prob
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +23,9 @@ from relayrl.models.policy.worker import load_causal_lm
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
+RAY_NUM_CPUS = 6  # the shared `ray_cluster` fixture (tests/conftest.py) reads it
 
 PROMPTS = ["12+34=", "7-3=", "hello world!", "ab", "99-1=", "x"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        yield
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 class _Source:

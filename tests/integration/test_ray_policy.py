@@ -14,7 +14,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,19 +160,6 @@ def run(policy: Policy, vocab: int) -> dict[str, Any]:
         "logprobs": policy.get_logprobs(data)["logprobs"],
         "version": policy.weights_version,
     }
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        yield
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +22,10 @@ from relayrl.utils.config_io import load_config
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
+RAY_NUM_CPUS = 6  # the shared `ray_cluster` fixture (tests/conftest.py) reads it
 
 TOL = 1e-4
 COMPARED = ("train/reward", "train/loss", "train/kl_penalty", "train/grad_norm", "validation/accuracy")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    if ray.is_initialized():
-        yield
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def overrides(workers: int, data_plane: bool, algorithm: str = "grpo") -> list[str]:

@@ -6,7 +6,6 @@ client attaches to it after a `reset`, which gives the check an empty store with
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -20,20 +19,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 CFG = DataPlaneConfig(enabled=True, backend="ray", storage_capacity=10_000)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray for the session (num_cpus=4: TransferQueue needs 3); shut down at the end if we started it."""
-    if ray.is_initialized():
-        yield
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written to the home directory
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import DataPlaneClosedError, KVBatchMeta
 from relayrl.data_plane.ray_store import column_from_wire, column_to_wire
-from tests.unit.data_plane.test_ray_contract import ray_cluster  # noqa: F401  (shared session fixture)
 
 ray = pytest.importorskip("ray")
 

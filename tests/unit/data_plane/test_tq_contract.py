@@ -15,7 +15,6 @@ from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import DataPlaneClient, FieldNotWrittenError, MissingKeysError
 from tests.unit.data_plane.contract import CONTRACT_CHECKS
-from tests.unit.data_plane.test_ray_contract import ray_cluster  # noqa: F401  (shared session fixture)
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -62,20 +61,6 @@ class ToyWorker:
         if self.rank == bad_rank:
             raise ValueError(f"rank {self.rank} failed on purpose")
         return self.total()  # the healthy ranks wait here for a peer that never comes
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray for this module (num_cpus=4); shut down at the end if this fixture started it."""
-    if ray.is_initialized():
-        yield
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def make_group(**kwargs: Any) -> Any:
