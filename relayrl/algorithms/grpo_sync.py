@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,26 +80,12 @@ def grpo_train_sync(
     skip_prev, skip_ref = resolve_logprob_skip_flags(cfg)
     train_fields = _train_fields_for_step(skip_prev, skip_ref)
     rollout_actor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
-    carry_keys = _CARRY + (["response_token_lengths"] if g.reward_shaping.enabled else [])
-    carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
+    carry_keys = rollout_carry_keys(_CARRY, g.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
     target = g.num_prompts_per_step * g.num_generations_per_prompt
     last_metrics: dict[str, Any] = {}
-
-    def run_validation(step: int) -> dict[str, Any]:
-        policy_generation.prepare_for_generation()
-        val_metrics = validate_sync(
-            rollout_actor=rollout_actor,
-            policy=policy,
-            val_dataloader=val_dataloader,
-            val_task_to_env=val_task_to_env,
-            step=step,
-            master_config=cfg,
-            logger=logger,
-        )
-        policy_generation.finish_generation()
-        if val_metrics:
-            logger.log_metrics(val_metrics, step, prefix="validation")
-        return val_metrics
+    run_validation = sync_validation_runner(
+        rollout_actor, policy, policy_generation, val_dataloader, val_task_to_env, cfg, logger
+    )
 
     tail = StepTail(
         cfg, state, timer, timeout, dataloader, policy, policy_generation, checkpointer, logger, run_validation
@@ -389,6 +376,45 @@ def _row_advantage_metrics(
     valid = adv_rows.repeat_interleave(valid_counts)  # == advantages[mask.bool()] of the broadcast [B, S] tensor
     full = adv_rows.unsqueeze(-1).expand(-1, width)  # [B, S] broadcast, as the legacy estimator returns it
     return advantage_metrics(full, torch.zeros(0), baseline, valid_values=valid)
+
+
+def rollout_carry_keys(base: list[str], reward_shaping: bool, num_samples_to_log: int) -> list[str]:
+    """The per-row values a data-plane trainer takes back from the rollout actor (shaping and sample logging add
+    their own)."""
+    return (
+        base + (["response_token_lengths"] if reward_shaping else []) + (["sample_text"] if num_samples_to_log else [])
+    )
+
+
+def sync_validation_runner(
+    rollout_actor: SyncRolloutActor,
+    policy: Any,
+    policy_generation: Any,
+    val_dataloader: Any,
+    val_task_to_env: dict[str, Any] | None,
+    master_config: MasterConfig,
+    logger: Any,
+) -> Callable[[int], dict[str, Any]]:
+    """`run_validation(step)` of a data-plane trainer: `validate_sync` with generation prepared around the whole
+    validation, its metrics logged under `validation/`."""
+
+    def run_validation(step: int) -> dict[str, Any]:
+        policy_generation.prepare_for_generation()
+        val_metrics = validate_sync(
+            rollout_actor=rollout_actor,
+            policy=policy,
+            val_dataloader=val_dataloader,
+            val_task_to_env=val_task_to_env,
+            step=step,
+            master_config=master_config,
+            logger=logger,
+        )
+        policy_generation.finish_generation()
+        if val_metrics:
+            logger.log_metrics(val_metrics, step, prefix="validation")
+        return val_metrics
+
+    return run_validation
 
 
 def validate_sync(

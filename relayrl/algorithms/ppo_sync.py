@@ -25,7 +25,11 @@ from typing import Any
 import torch
 
 from relayrl.algorithms.grpo_common import StepTail, carry_sample_rows, early_stop_reached, post_process_rewards
-from relayrl.algorithms.grpo_sync import _compute_seq_logprob_error_metrics, validate_sync
+from relayrl.algorithms.grpo_sync import (
+    _compute_seq_logprob_error_metrics,
+    rollout_carry_keys,
+    sync_validation_runner,
+)
 from relayrl.algorithms.ppo import (
     _mean_over_epochs,
     _policy_metrics,
@@ -76,26 +80,12 @@ def ppo_train_sync(
     train_fields = [f for f in DP_TRAIN_FIELDS if not (skip_ref and f == REFERENCE_POLICY_LOGPROBS)]
     kl_fields = _kl_logprob_fields(cfg, skip_ref)
     rollout_actor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, view, cfg.data_plane)
-    carry_keys = _CARRY + (["response_token_lengths"] if p.reward_shaping.enabled else [])
-    carry_keys += ["sample_text"] if cfg.logger.num_train_samples_to_log else []
+    carry_keys = rollout_carry_keys(_CARRY, p.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
     target = p.num_prompts_per_step * p.num_generations_per_prompt
     last_metrics: dict[str, Any] = {}
-
-    def run_validation(at_step: int) -> dict[str, Any]:
-        policy_generation.prepare_for_generation()
-        out = validate_sync(
-            rollout_actor=rollout_actor,
-            policy=policy,
-            val_dataloader=val_dataloader,
-            val_task_to_env=val_task_to_env,
-            step=at_step,
-            master_config=view,
-            logger=logger,
-        )
-        policy_generation.finish_generation()
-        if out:
-            logger.log_metrics(out, at_step, prefix="validation")
-        return out
+    run_validation = sync_validation_runner(
+        rollout_actor, policy, policy_generation, val_dataloader, val_task_to_env, view, logger
+    )
 
     both = _PolicyAndCritic(policy, value)
     tail = StepTail(
