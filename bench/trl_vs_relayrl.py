@@ -10,6 +10,8 @@ per step; <= 64 new tokens; temperature 1; KL coefficient 0.04 with a reference 
 schedule, grad-norm clip 1.0; fp32; 1 torch thread; no gradient checkpointing; no validation, checkpointing or
 per-step logging in TRL's loop (relayrl writes its own metrics.jsonl line per step, which it always does). The
 reward is relayrl's `MathEnvironment.step` on both sides (exact `\\boxed{}` check).
+Each side runs its own defaults beyond that: relayrl decodes through its compiled CPU step (built, or found in
+its cache, before the first round), TRL through `model.generate`.
 
 Step time = wall clock from the end of one optimizer step to the end of the next, on both sides (TRL: callback
 `on_step_end`; relayrl: the moment the loop logs the step's timing metrics), so each covers data fetch,
@@ -363,6 +365,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_trl_vs_relayrl_") as tmp:
         model_dir = str(Path(tmp) / "tiny-qwen2")
         n_params = build_model_dir(Path(model_dir))
+        from relayrl.models.generation.cpu_kernels import load_cpu_decode
+
+        load_cpu_decode()  # build relayrl's compiled CPU decode step now (cached), not inside a timed run
         print(f"model: random Qwen2 h128 L2 4 heads, {n_params:,} params; {NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
         print(f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}, 1 thread, fp32; ", end="")
         print(f"{args.rounds} rounds x {args.steps} steady steps (+{args.warmup} warm-up) each")

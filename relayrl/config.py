@@ -58,6 +58,9 @@ class GenerationConfig(Strict):
     """None means [eos_token_id]."""
     stop_strings: list[str] | None = None
     colocated: ColocatedConfig = ColocatedConfig()
+    native_cpu_decode: bool = True
+    """On CPU, run each decode step of a float32 llama-family model as one compiled call (built with the system C++
+    compiler on first use, ~15 s, cached under ~/.cache/relayrl); falls back to PyTorch ops when it cannot be built."""
 
 
 class AdamWKwargs(Strict):

@@ -8,7 +8,9 @@ every row), `step` (feed one token per live row, write its K/V at one cache colu
 always samples from the live policy weights) and computes exactly what the HF modules compute, minus the per-call
 Python machinery: no module hooks, no mask builders, no cache objects, a grouped-query view instead of repeating K/V
 during decode. Models it cannot reproduce exactly (other architectures, sliding windows, length-dependent RoPE,
-adapters, sharded parameters) are reported by `fast_path_unsupported` and go through `HfDecoder`.
+adapters, sharded parameters) are reported by `fast_path_unsupported` and go through `HfDecoder`. On CPU, a float32
+model without q/k norms can run each decode step as one call of relayrl's compiled step (`cpu_kernels`, `native=True`):
+the same computation with the work between the matrix products in C++ loops instead of ~400 dispatched ops.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from relayrl.models.generation.cpu_kernels import load_cpu_decode
 
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # RoPE variants whose cos/sin depend on the position only (not on the running sequence length).
@@ -111,9 +115,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 
 
 class FastDecoder:
-    """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows."""
+    """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows.
 
-    def __init__(self, model: Any) -> None:
+    `native`: run each decode step as one call of relayrl's compiled CPU step (`cpu_kernels`) when the model is a
+    float32 CPU model without q/k norms and the library loads; otherwise (or with native=False) PyTorch ops."""
+
+    def __init__(self, model: Any, *, native: bool = False) -> None:
         base = model.model  # HF modules are dynamic: attributes are read by name, as the HF forward does
         attn0 = base.layers[0].self_attn
         self.embed = base.embed_tokens.weight  # [V, H]
@@ -129,6 +136,28 @@ class FastDecoder:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.key_bias: torch.Tensor | None = None  # [b, 1, 1, T] additive: -inf at left-pad columns
+        self.native = native and self._native_supported() and load_cpu_decode()
+        if self.native:
+            order = ("in_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down")
+            self._native_weights: list[torch.Tensor | None] = []
+            for layer in self.layers:
+                for name in order:
+                    entry = getattr(layer, name)
+                    self._native_weights.extend(entry if isinstance(entry, tuple) else (entry,))
+            self._native_eps = [float(e) for layer in self.layers for e in (layer.in_eps, layer.post_eps)]
+
+    def _native_supported(self) -> bool:
+        """The compiled step covers float32 CPU models without q/k norms whose tensors are all contiguous."""
+        if self.head_dim > 512 or self.head_dim % 2:
+            return False
+        tensors = [self.embed, self.final_norm, *(t for t in self.head if t is not None)]
+        for layer in self.layers:
+            if layer.q_norm is not None:
+                return False
+            for entry in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down):
+                tensors.extend(t for t in entry if t is not None)
+            tensors += [layer.in_norm, layer.post_norm]
+        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def start(self, ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
         """Prefill left-padded prompts ids [B, P]; caches hold `capacity` columns. Returns last-token logits [B, V]."""
@@ -186,6 +215,8 @@ class FastDecoder:
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         """Feed tokens [b] at position ids [b], cached at column `col`; returns next-token logits [b, V]."""
+        if self.native:
+            return self._native_step(tokens, positions, col)
         b = tokens.shape[0]
         end = col + 1
         # index_select / narrow / copy_ rather than tensor indexing and slice assignment: same values, less
@@ -213,6 +244,29 @@ class FastDecoder:
             x = _rms(h, layer.post_norm, layer.post_eps)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
         return F.linear(_rms(h, self.final_norm, self.final_eps), *self.head)
+
+    def _native_step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
+        """`step` as one call of the compiled CPU step (same values to float32 rounding)."""
+        bias = None if self.key_bias is None else self.key_bias.view(self.key_bias.shape[0], -1)  # [b, T]
+        return torch.ops.relayrl_cpu.decode_step(
+            F.embedding(tokens, self.embed),  # [b, H]
+            self._native_weights,
+            self._native_eps,
+            self.k_cache,
+            self.v_cache,
+            self.cos,
+            self.signed_sin,
+            positions.contiguous(),
+            bias,
+            col,
+            self.n_heads,
+            self.n_kv,
+            self.head_dim,
+            self.scaling,
+            self.final_norm,
+            float(self.final_eps),
+            *self.head,
+        )
 
     def _decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None

@@ -264,7 +264,10 @@ class HfGeneration(GenerationInterface):
         n_max = int(limits.max())
         left_ids, key_valid, positions = _left_pad(input_ids, lengths, self.pad_token_id)  # [B, P] each
         prompt_cols = left_ids.shape[1]
-        decoder = FastDecoder(model) if self.uses_fast_path else HfDecoder(model)
+        if self.uses_fast_path:
+            decoder: FastDecoder | HfDecoder = FastDecoder(model, native=self.config.native_cpu_decode)
+        else:
+            decoder = HfDecoder(model)
         # GRPO repeats each prompt: prefill each distinct prompt once and fan its cache out to the repeats.
         unique, inverse = torch.unique(torch.cat([left_ids, key_valid.long()], 1), dim=0, return_inverse=True)
         if unique.shape[0] < batch:

@@ -1,0 +1,173 @@
+// One KV-cache decode step of a llama-family model on CPU, as one call (relayrl::cpu_decode_step).
+//
+// Why: at the sizes CPU RL runs at (hidden 128-1024, 8-64 rows), a decode step through PyTorch ops is ~400 ATen
+// calls, and their dispatch costs more than the arithmetic. Here the matrix products stay ATen/MKL calls (8 per
+// layer) and everything between them (RMSNorm, RoPE, the KV-cache write, attention over the cache, residual adds)
+// runs as plain loops over contiguous float32 rows. Values match the PyTorch formulation (fast_decoder.FastDecoder)
+// to float32 rounding; FastDecoder falls back to it whenever this library is unavailable.
+//
+// Layouts (all float32, contiguous): h [b, H]; k/v caches [b, Hkv, T, D]; cos / signed_sin tables [T_pos, D];
+// positions [b] int64; key_bias [b, T] (0 or -inf) or undefined. Per layer, `weights` holds 16 entries, the module's
+// own parameter tensors read in place (biases may be None): in_norm, q w/b, k w/b, v w/b, o w/b, post_norm, gate w/b,
+// up w/b, down w/b; `eps` holds (in_eps, post_eps) per layer.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPerLayer = 16;
+constexpr int64_t kRowGrain = 8;  // rows per task when torch runs several intra-op threads
+
+// out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the HF RMSNorm in float32.
+void rms_norm(const float* x, const float* w, float eps, float* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* o = out + r * n;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; ++i) acc += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(acc / static_cast<float>(n) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+// In place: x = x * cos + rotate_half(x) * sin for `heads` vectors of size d (sign of rotate_half in signed_sin).
+void rope(float* x, const float* cos, const float* ssin, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  float tmp[512];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * d;
+    for (int64_t i = 0; i < d; ++i) tmp[i] = v[i];
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) v[i] = tmp[i] * cos[i] + tmp[i + half] * ssin[i];
+#pragma omp simd
+    for (int64_t i = half; i < d; ++i) v[i] = tmp[i] * cos[i] + tmp[i - half] * ssin[i];
+  }
+}
+
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  return b.has_value() && b->defined() ? at::addmm(*b, x, w.t()) : at::mm(x, w.t());
+}
+
+}  // namespace
+
+at::Tensor cpu_decode_step(const at::Tensor& h_in, const c10::List<std::optional<at::Tensor>>& weights,
+                           at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
+                           const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions,
+                           const std::optional<at::Tensor>& key_bias, int64_t col, int64_t n_heads, int64_t n_kv,
+                           int64_t head_dim, double scaling, const at::Tensor& final_norm, double final_eps,
+                           const at::Tensor& head_w, const std::optional<at::Tensor>& head_b) {
+  const int64_t b = h_in.size(0), hidden = h_in.size(1), d = head_dim;
+  const int64_t group = n_heads / n_kv, end = col + 1;
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer, "cpu_decode_step: weights per layer");
+  TORCH_CHECK(d <= 512, "cpu_decode_step: head_dim > 512");
+  at::Tensor h = h_in.contiguous().clone();  // [b, H] residual stream
+  at::Tensor x = at::empty_like(h);
+  at::Tensor attn = at::empty({b, n_heads * d}, h.options());
+  at::Tensor scores = at::empty({b * n_heads, end}, h.options());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cos_p = cos_table.data_ptr<float>();
+  const float* sin_p = sin_table.data_ptr<float>();
+  const bool has_bias = key_bias.has_value() && key_bias->defined();
+  const float* bias_p = has_bias ? key_bias->data_ptr<float>() : nullptr;
+  const int64_t bias_stride = has_bias ? key_bias->stride(0) : 0;
+  const float scale = static_cast<float>(scaling);
+
+  for (int64_t l = 0; l < layers; ++l) {
+    auto w = [&](int64_t i) -> std::optional<at::Tensor> { return weights.get(l * kPerLayer + i); };
+    const float in_eps = static_cast<float>(eps[2 * l]), post_eps = static_cast<float>(eps[2 * l + 1]);
+    float* hp = h.data_ptr<float>();
+    rms_norm(hp, w(0)->data_ptr<float>(), in_eps, x.data_ptr<float>(), b, hidden);
+    at::Tensor q = dense(x, *w(1), w(2));  // [b, Hq D]
+    at::Tensor k = dense(x, *w(3), w(4));  // [b, Hkv D]
+    at::Tensor v = dense(x, *w(5), w(6));  // [b, Hkv D]
+    float* q_p = q.data_ptr<float>();
+    float* k_p = k.data_ptr<float>();
+    const float* v_p = v.data_ptr<float>();
+    float* kc = k_caches[l].data_ptr<float>();
+    float* vc = v_caches[l].data_ptr<float>();
+    const int64_t cap = k_caches[l].size(2);
+    float* sp = scores.data_ptr<float>();
+    // Rows are independent: RoPE, the cache write and the scores of a row; split over torch's intra-op threads.
+    at::parallel_for(0, b, kRowGrain, [&](int64_t row_begin, int64_t row_end) {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        float* qr = q_p + r * n_heads * d;
+        float* kr = k_p + r * n_kv * d;
+        const float* c = cos_p + pos[r] * d;
+        const float* s = sin_p + pos[r] * d;
+        rope(qr, c, s, n_heads, d);
+        rope(kr, c, s, n_kv, d);
+        for (int64_t hk = 0; hk < n_kv; ++hk) {
+          float* kdst = kc + ((r * n_kv + hk) * cap + col) * d;
+          float* vdst = vc + ((r * n_kv + hk) * cap + col) * d;
+          const float* ksrc = kr + hk * d;
+          const float* vsrc = v_p + (r * n_kv + hk) * d;
+          for (int64_t i = 0; i < d; ++i) {
+            kdst[i] = ksrc[i];
+            vdst[i] = vsrc[i];
+          }
+        }
+        // Scores of every query head of this row against its KV head's cached keys.
+        for (int64_t hq = 0; hq < n_heads; ++hq) {
+          const float* q = qr + hq * d;
+          const float* keys = kc + (r * n_kv + hq / group) * cap * d;
+          float* out = sp + (r * n_heads + hq) * end;
+          for (int64_t t = 0; t < end; ++t) {
+            const float* k = keys + t * d;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
+            out[t] = acc * scale + (has_bias ? bias_p[r * bias_stride + t] : 0.f);
+          }
+        }
+      }
+    });
+    at::Tensor probs = at::_softmax(scores, -1, false);  // [b * Hq, end]
+    const float* pp = probs.data_ptr<float>();
+    float* ap = attn.data_ptr<float>();
+    at::parallel_for(0, b, kRowGrain, [&](int64_t row_begin, int64_t row_end) {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        for (int64_t hq = 0; hq < n_heads; ++hq) {
+          const float* p = pp + (r * n_heads + hq) * end;
+          const float* vals = vc + (r * n_kv + hq / group) * cap * d;
+          float* out = ap + (r * n_heads + hq) * d;
+          for (int64_t i = 0; i < d; ++i) out[i] = 0.f;
+          for (int64_t t = 0; t < end; ++t) {
+            const float pt = p[t];
+            const float* v = vals + t * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) out[i] += pt * v[i];
+          }
+        }
+      }
+    });
+    at::Tensor o = dense(attn, *w(7), w(8));  // [b, H]
+    const float* op = o.data_ptr<float>();
+    for (int64_t i = 0; i < b * hidden; ++i) hp[i] += op[i];
+    rms_norm(hp, w(9)->data_ptr<float>(), post_eps, x.data_ptr<float>(), b, hidden);
+    at::Tensor act = dense(x, *w(10), w(11));  // [b, I] gate, then silu(gate) * up in place
+    at::silu_(act).mul_(dense(x, *w(12), w(13)));
+    at::Tensor down = dense(act, *w(14), w(15));  // [b, H]
+    const float* dp = down.data_ptr<float>();
+    for (int64_t i = 0; i < b * hidden; ++i) hp[i] += dp[i];
+  }
+  rms_norm(h.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps), x.data_ptr<float>(), b,
+           hidden);
+  return dense(x, head_w, head_b);
+}
+
+TORCH_LIBRARY(relayrl_cpu, m) {
+  m.def(
+      "decode_step(Tensor h, Tensor?[] weights, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
+      "Tensor cos_table, Tensor sin_table, Tensor positions, Tensor? key_bias, int col, int n_heads, int n_kv, "
+      "int head_dim, float scaling, Tensor final_norm, float final_eps, Tensor head_w, Tensor? head_b) -> Tensor",
+      &cpu_decode_step);
+}

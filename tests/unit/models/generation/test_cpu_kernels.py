@@ -1,0 +1,147 @@
+"""relayrl's compiled CPU decode step (csrc/cpu_decode.cpp) against the PyTorch formulation it replaces."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from relayrl.config import GenerationConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.generation import cpu_kernels
+from relayrl.models.generation.fast_decoder import FastDecoder
+from relayrl.models.generation.hf_generation import HfGeneration
+from relayrl.models.tiny import build_tiny_qwen2
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load_cpu_decode(), reason="the compiled CPU decode step cannot be built here (no C++ toolchain)"
+)
+
+
+def _sharp(model: torch.nn.Module) -> torch.nn.Module:
+    """Large random weights and biases, so logits spread widely and every bias term matters."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            scale = 1.0 if p.dim() == 1 else 2.0 / p.shape[1] ** 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model.eval()
+
+
+def _llama(attention_bias: bool, mlp_bias: bool, kv_heads: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        intermediate_size=80,
+        max_position_embeddings=128,
+        attention_bias=attention_bias,
+        mlp_bias=mlp_bias,
+        rms_norm_eps=1e-5,
+    )
+    return _sharp(LlamaForCausalLM(config))
+
+
+MODELS = {
+    "qwen2-gqa": lambda: _sharp(
+        build_tiny_qwen2(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=0)
+    ),
+    "llama-mha-no-bias": lambda: _llama(False, False, 4),
+    "llama-mqa-all-biases": lambda: _llama(True, True, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_native_step_matches_pytorch_step(name: str) -> None:
+    """Prefill with left padding, 12 decode steps, a compaction that drops and reorders rows, 8 more steps: the
+    logits and the KV caches of the compiled step equal the PyTorch step's to float32 rounding."""
+    model = MODELS[name]()
+    batch, prompt = 5, 9
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        ids = torch.randint(1, 50, (batch, prompt), generator=gen)
+        valid = torch.ones(batch, prompt, dtype=torch.bool)
+        valid[1, :4] = valid[3, :2] = False  # left padding: these keys must get -inf
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        ref, native = FastDecoder(model), FastDecoder(model, native=True)
+        assert native.native and not ref.native
+        logits = [d.start(ids, valid, positions, prompt + 24) for d in (ref, native)]
+        torch.testing.assert_close(logits[1], logits[0])
+        tokens, pos = logits[0].argmax(-1), positions[:, -1] + 1
+        for step in range(20):
+            if step == 12:
+                keep = torch.tensor([4, 0, 3])
+                ref.select(keep)
+                native.select(keep)
+                tokens, pos = tokens[keep], pos[keep]
+            a, b = ref.step(tokens, pos, prompt + step), native.step(tokens, pos, prompt + step)
+            # float32 rounding of differently ordered sums, relative to the logits' scale (a wrong term is O(1))
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
+            tokens, pos = a.argmax(-1), pos + 1
+        for caches in ((ref.k_cache, native.k_cache), (ref.v_cache, native.v_cache)):
+            for x, y in zip(*caches):
+                torch.testing.assert_close(y[:, :, : prompt + 20], x[:, :, : prompt + 20], rtol=1e-5, atol=1e-5)
+
+
+class _Source:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.weights_version = 0
+
+
+def test_sampled_generation_is_the_same_with_and_without_the_compiled_step(char_tokenizer) -> None:
+    """Same seed: the same tokens (stop tokens, finished rows compacted away) and the same log-probs."""
+    model = _sharp(build_tiny_qwen2(vocab_size=len(char_tokenizer), hidden_size=64, num_layers=2, seed=0))
+    prompts = ["12+34=", "7-3=", "hello", "ab", "99-1=", "x"] * 2
+    encoded = [char_tokenizer(p)["input_ids"] for p in prompts]
+    ids = torch.full((len(encoded), 8), char_tokenizer.pad_token_id, dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, : len(e)] = torch.tensor(e)
+    data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(e) for e in encoded]))
+    stops = [char_tokenizer.convert_tokens_to_ids(c) for c in "05"]  # frequent enough to end rows early
+    outs = []
+    for native in (False, True):
+        cfg = GenerationConfig(max_new_tokens=24, stop_token_ids=stops, native_cpu_decode=native)
+        engine = HfGeneration(cfg, char_tokenizer, _Source(model), seed=7)
+        engine.prepare_for_generation()
+        outs.append(engine.generate(data))
+    assert bool((outs[0]["generation_lengths"] < 24).any())  # some rows stopped early
+    assert torch.equal(outs[0]["output_ids"], outs[1]["output_ids"])
+    torch.testing.assert_close(outs[1]["logprobs"], outs[0]["logprobs"], rtol=1e-5, atol=1e-5)
+
+
+def test_models_outside_the_compiled_step_use_pytorch_ops() -> None:
+    """q/k norms (qwen3) and non-float32 weights are not covered: the decoder keeps the PyTorch step."""
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=50,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=48,
+        )
+    )
+    assert not FastDecoder(qwen3, native=True).native
+    assert not FastDecoder(_llama(False, False, 2).to(torch.bfloat16), native=True).native
+    assert FastDecoder(_llama(False, False, 2), native=True).native
+
+
+def test_switched_off_or_unbuildable_falls_back_with_one_line_warning(monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("RELAYRL_CPU_KERNELS", "0")
+    assert cpu_kernels._load() is False
+    monkeypatch.setenv("RELAYRL_CPU_KERNELS", "1")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(cpu_kernels, "_SOURCE", broken)
+    monkeypatch.setenv("RELAYRL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels._load() is False
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "using PyTorch ops" in messages[0] and "\n" not in messages[0]
