@@ -195,6 +195,7 @@ class HfGeneration(GenerationInterface):
             top_p=self.config.top_p,
             greedy=greedy,
             generator=None if greedy else self._generator,
+            native=self.config.native_cpu_decode and device.type == "cpu",
         )
         was_training = model.training
         model.eval()

@@ -14,9 +14,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -164,10 +166,46 @@ at::Tensor cpu_decode_step(const at::Tensor& h_in, const c10::List<std::optional
   return dense(x, head_w, head_b);
 }
 
+// One draw per row from probs [b, V] (float32, rows sum to ~1) by inverse CDF with the given uniforms u [b]:
+// the same arithmetic as sampling.sample_inverse_cdf (torch's CPU cumsum accumulates float in double and stores
+// float; target = min(u * total, nextafter(total, 0)); first index whose cdf exceeds the target), so the same tokens.
+// Returns (tokens int64 [b], log of each token's probability float32 [b]).
+std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& probs_in, const at::Tensor& u) {
+  const at::Tensor probs = probs_in.contiguous();
+  const int64_t b = probs.size(0), vocab = probs.size(1);
+  at::Tensor tokens = at::empty({b}, probs.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({b}, probs.options());
+  const float* pp = probs.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  const int64_t u_stride = u.stride(0);
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  for (int64_t r = 0; r < b; ++r) {
+    const float* p = pp + r * vocab;
+    double acc = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) acc += p[i];
+    const float total = static_cast<float>(acc);
+    const float target = std::min(up[r * u_stride] * total, std::nextafter(total, 0.f));
+    int64_t pick = vocab - 1;
+    acc = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      acc += p[i];
+      if (static_cast<float>(acc) > target) {
+        pick = i;
+        break;
+      }
+    }
+    tp[r] = pick;
+    lp[r] = std::log(p[pick]);
+  }
+  return {tokens, logprobs};
+}
+
 TORCH_LIBRARY(relayrl_cpu, m) {
   m.def(
       "decode_step(Tensor h, Tensor?[] weights, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
       "Tensor cos_table, Tensor sin_table, Tensor positions, Tensor? key_bias, int col, int n_heads, int n_kv, "
       "int head_dim, float scaling, Tensor final_norm, float final_eps, Tensor head_w, Tensor? head_b) -> Tensor",
       &cpu_decode_step);
+  m.def("sample_inverse_cdf(Tensor probs, Tensor u) -> (Tensor, Tensor)", &sample_inverse_cdf);
 }

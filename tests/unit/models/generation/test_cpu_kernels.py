@@ -145,3 +145,23 @@ def test_switched_off_or_unbuildable_falls_back_with_one_line_warning(monkeypatc
         assert cpu_kernels._load() is False
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "using PyTorch ops" in messages[0] and "\n" not in messages[0]
+
+
+def test_native_sampler_draws_the_same_tokens_as_the_pytorch_sampler() -> None:
+    """Inverse-CDF draws over 4096 rows (peaked and flat distributions, zero-probability tokens, uniforms at 0 and
+    just below 1): the compiled sampler picks exactly the tokens of sampling.sample_inverse_cdf."""
+    from relayrl.models.generation.sampling import TokenSampler
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4096, 103, generator=gen) * torch.tensor([0.1, 1.0, 8.0, 30.0]).repeat(1024)[:, None]
+    logits[::7, 5:40] = float("-inf")  # zero-probability tokens a draw must never land on
+    u = torch.rand(4096, generator=gen)
+    u[:8], u[8:16] = 0.0, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    python = TokenSampler(temperature=0.7, generator=torch.Generator(), native=False)
+    native = TokenSampler(temperature=0.7, generator=torch.Generator(), native=True)
+    assert native.native and not python.native
+    (t0, lp0), (t1, lp1) = python(logits, u), native(logits, u)
+    assert torch.equal(t0, t1)
+    assert not bool(((t1[::7] >= 5) & (t1[::7] < 40)).any())
+    torch.testing.assert_close(lp1, lp0, rtol=1e-6, atol=1e-6)
+    assert not TokenSampler(top_p=0.9, generator=torch.Generator(), native=True).native  # filtering: PyTorch ops
