@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -21,8 +22,9 @@ _SCRIPT = textwrap.dedent(
         assert retain_freed_heap_memory()
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     sizes = [(1 << 20) * k // 4 for k in (3, 5, 7, 9, 11, 13)]
-    start = faults()
-    for _ in range(30):
+    for i in range(30):
+        if i == 10:  # the first iterations grow the heap (and adapt glibc's thresholds); count the later ones
+            start = faults()
         ts = [torch.ones(s) for s in sizes]
         ys = [t * 2 for t in ts]
         del ts, ys
@@ -31,9 +33,18 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+# glibc's documented default thresholds (128 KiB), fixed: glibc otherwise raises them dynamically after the first
+# frees, so whether the unconfigured baseline keeps or unmaps these blocks varies from run to run.
+_GLIBC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
 def _faults(retain: bool) -> int:
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, "1" if retain else "0"], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _SCRIPT, "1" if retain else "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **_GLIBC_DEFAULTS},
     )
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -43,10 +54,10 @@ def _faults(retain: bool) -> int:
 )
 def test_retained_heap_memory_stops_page_faulting_freed_buffers_back_in() -> None:
     default, retained = _faults(False), _faults(True)
-    # Default glibc unmaps/trims the freed multi-MiB blocks, so every iteration faults ~60 MiB of pages in again
-    # (~15,000 faults); with the blocks kept, only the first iteration's heap growth faults.
+    # With glibc's default thresholds the freed multi-MiB blocks are unmapped, so each of the 20 counted iterations
+    # faults ~100 MiB of pages in again (~490,000 faults); kept, the counted iterations reuse the blocks.
     assert default > 100_000
-    assert retained < default / 5
+    assert retained < default / 20  # observed: 0-7,000
 
 
 def test_cluster_config_turns_heap_reuse_on_by_default_and_can_turn_it_off() -> None:
