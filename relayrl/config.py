@@ -112,6 +112,9 @@ class PolicyConfig(Strict):
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     max_grad_norm: PositiveFloat | None = 1.0
     activation_checkpointing: bool = False
+    native_cpu_ops: bool = True
+    """On CPU, the policy and reference passes of a float32 llama-family model run RMSNorm and RoPE (forward and
+    backward) as relayrl's compiled kernels, the library `generation.native_cpu_decode` builds; else PyTorch ops."""
     make_sequence_length_divisible_by: PositiveInt = 1
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -114,6 +114,50 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+class _CpuRmsNorm(torch.autograd.Function):
+    """`_rms` for float32 CPU tensors as compiled forward and backward kernels (cpu_kernels)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, inv = torch.ops.relayrl_cpu.rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, inv)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, inv = ctx.saved_tensors
+        dx, dw = torch.ops.relayrl_cpu.rms_norm_bwd(grad, x, weight, inv)
+        return dx, dw, None
+
+
+class _CpuRope(torch.autograd.Function):
+    """`_rope` of x [N, heads, D] with per-token tables [N, 1, D], forward and backward compiled (cpu_kernels)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, signed_sin)
+        return torch.ops.relayrl_cpu.rope(x, cos, signed_sin, False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, signed_sin = ctx.saved_tensors
+        return torch.ops.relayrl_cpu.rope(grad, cos, signed_sin, True), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
+    """`_rms`, through the compiled kernels when `native` (the caller checked that they load) and x is float32 CPU."""
+    if native and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        return _CpuRmsNorm.apply(x, weight, eps)
+    return _rms(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, native: bool) -> torch.Tensor:
+    """`_rope` for x [N, heads, D] and tables [N, 1, D], compiled when `native` and everything is float32 CPU."""
+    if native and x.dtype == cos.dtype == signed_sin.dtype == torch.float32 and x.device.type == "cpu":
+        return _CpuRope.apply(x, cos.contiguous(), signed_sin.contiguous())
+    return _rope(x, cos, signed_sin)
+
+
 class FastDecoder:
     """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows.
 

@@ -28,13 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from relayrl.models.generation.cpu_kernels import load_cpu_decode
 from relayrl.models.generation.fast_decoder import (
     FAST_MODEL_TYPES,
     STATIC_ROPE_TYPES,
     _Layer,
     _read_layer,
-    _rms,
-    _rope,
+    rms_norm,
+    rope,
 )
 from relayrl.models.policy.packing import SharedPacking
 
@@ -115,19 +116,25 @@ def _input_grads_hooked(embed: nn.Module) -> bool:
 
 
 def backbone_hidden_states(
-    model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, fast: bool | None = None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    *,
+    fast: bool | None = None,
+    native: bool = False,
 ) -> torch.Tensor:
     """Final hidden states [B, S, H] of right-padded rows (after the final norm); fast path when it is exact.
 
     `fast`: None picks the fast path whenever `fast_forward_unsupported` allows it, False forces HF, True raises
     when the fast path is unavailable. Values at positions >= a row's length are unspecified (zero when fast).
+    `native`: on a float32 CPU model, the fast path runs RMSNorm and RoPE as relayrl's compiled kernels.
     """
     reason = None if fast is False else fast_forward_unsupported(model)
     if fast is True and reason is not None:
         raise ValueError(f"fast=True but the fast backbone forward cannot run: {reason}")
     if fast is False or reason is not None:
         return hf_hidden_states(model, input_ids, input_lengths)
-    return fast_hidden_states(model, input_ids, input_lengths)
+    return fast_hidden_states(model, input_ids, input_lengths, native=native)
 
 
 def hf_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
@@ -175,7 +182,7 @@ class _Packing:
 class _Backbone:
     """One pass's view of the model: its parameter tensors by role and the attention geometry."""
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self, base: Any, native: bool = False) -> None:
         attn0 = base.layers[0].self_attn
         embed = base.embed_tokens
         self.embed, self.padding_idx = embed.weight, embed.padding_idx  # [V, H]; padding_idx: no gradient
@@ -189,6 +196,8 @@ class _Backbone:
         self.scaling = float(attn0.scaling)
         modules = list(base.layers[: base.config.num_hidden_layers])
         self.layers = [_read_layer(m) for m in modules]
+        # RMSNorm and RoPE as compiled CPU kernels (forward and backward) for float32 CPU passes.
+        self.native = native and self.embed.device.type == "cpu" and load_cpu_decode()
         # HF checkpoints a decoder layer exactly when its flag is set and it is in training mode, through the
         # function activation checkpointing installed (it carries use_reentrant and CPU offload).
         self.checkpoint_fns: list[Callable[..., Any] | None] = [
@@ -227,7 +236,7 @@ class _Backbone:
                 h = ckpt(self._layer, h, layer, cos_n, sin_n, pk, q)
             else:
                 h = self._layer(h, layer, cos_n, sin_n, pk, q)
-        return _rms(h, self.final_norm, self.final_eps)  # [N or Q, H]
+        return rms_norm(h, self.final_norm, self.final_eps, self.native)  # [N or Q, H]
 
     def _layer(
         self,
@@ -242,17 +251,18 @@ class _Backbone:
 
         With `query` [Q], only those tokens continue past attention (every token still provides K/V): [Q, H]."""
         n, d = pk.num_tokens, self.head_dim
-        x = _rms(h, layer.in_norm, layer.in_eps)  # [N, H]
+        native = self.native
+        x = rms_norm(h, layer.in_norm, layer.in_eps, native)  # [N, H]
         q = F.linear(x, *layer.q).view(n, self.n_heads, d)
         k = F.linear(x, *layer.k).view(n, self.n_kv, d)
         v = F.linear(x, *layer.v).view(n, self.n_kv, d)
         if layer.q_norm is not None:
-            q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
-        a = self._attention(_rope(q, cos, sin), _rope(k, cos, sin), v, pk)  # [N, Hq * D]
+            q, k = rms_norm(q, layer.q_norm, layer.qk_eps, native), rms_norm(k, layer.k_norm, layer.qk_eps, native)
+        a = self._attention(rope(q, cos, sin, native), rope(k, cos, sin, native), v, pk)  # [N, Hq * D]
         if query is not None:
             h, a = h.index_select(0, query), a.index_select(0, query)  # [Q, H], [Q, Hq * D]
         h = h + F.linear(a, *layer.o)
-        x = _rms(h, layer.post_norm, layer.post_eps)
+        x = rms_norm(h, layer.post_norm, layer.post_eps, native)
         return h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Any) -> torch.Tensor:
@@ -272,9 +282,11 @@ def _checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(function, *args, use_reentrant=False)
 
 
-def fast_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+def fast_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, native: bool = False
+) -> torch.Tensor:
     """The fast path itself (call `backbone_hidden_states` unless support was already checked): [B, S, H]."""
-    return _Backbone(backbone_of(model)).forward(input_ids, input_lengths)
+    return _Backbone(backbone_of(model), native).forward(input_ids, input_lengths)
 
 
 def selected_hidden_states(
@@ -284,11 +296,12 @@ def selected_hidden_states(
     select: torch.Tensor,
     *,
     fast: bool | None = None,
+    native: bool = False,
 ) -> torch.Tensor:
     """Final hidden states [M, H] of the M positions where `select` [B, S] is True (row-major), computing only what
     they depend on (see `packing.SharedPacking`); positions at or past a row's length are never selected.
 
-    `fast` as in `backbone_hidden_states`; the HF path runs the whole batch and picks the positions.
+    `fast` and `native` as in `backbone_hidden_states`; the HF path runs the whole batch and picks the positions.
     """
     reason = None if fast is False else fast_forward_unsupported(model)
     if fast is True and reason is not None:
@@ -299,7 +312,7 @@ def selected_hidden_states(
     if fast is False or reason is not None:
         return hf_hidden_states(model, input_ids, input_lengths)[select]  # [M, H]
     pk = SharedPacking(input_ids, input_lengths, select)
-    backbone = _Backbone(backbone_of(model))
+    backbone = _Backbone(backbone_of(model), native)
     if pk.num_selected == 0:
         return backbone.embed.new_zeros(0, backbone.embed.shape[1])
     return backbone.forward_selected(input_ids, pk)  # [M, H]

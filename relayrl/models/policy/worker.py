@@ -199,7 +199,7 @@ class PolicyWorker:
         Llama-family models take the packed fast path (positions at or past a row's length come back as zeros);
         others, and models with hooks (FP8 calibration), go through HF's forward.
         """
-        return backbone_hidden_states(model, input_ids, input_lengths)
+        return backbone_hidden_states(model, input_ids, input_lengths, native=self.cfg.native_cpu_ops)
 
     def _next_token_logprobs(
         self,
@@ -224,7 +224,9 @@ class PolicyWorker:
         select = select.to(input_ids.device).bool() & (positions[None, :] < lengths.to(input_ids.device)[:, None] - 1)
         rows_per_chunk = self.cfg.logprob_chunk_size * batch if self.cfg.logprob_chunk_size else None
         with dev.autocast(self.device, self.cfg.precision):
-            hidden = selected_hidden_states(model, input_ids, lengths, F.pad(select, (0, 1)))  # [M, H]
+            hidden = selected_hidden_states(
+                model, input_ids, lengths, F.pad(select, (0, 1)), native=self.cfg.native_cpu_ops
+            )  # [M, H]
             lp, plain = lp_ops.selected_logprobs(
                 hidden,
                 self._lm_head(model),

@@ -201,6 +201,105 @@ std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& probs_in
   return {tokens, logprobs};
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// RMSNorm and RoPE of the full-sequence passes (fast_forward), forward and backward, on packed rows.
+
+// y = w * x * inv, inv[r] = 1 / sqrt(mean(x[r]^2) + eps); x [rows, n]. Returns (y, inv [rows]) (inv for backward).
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  at::Tensor y = at::empty_like(x);
+  at::Tensor inv = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* ip = inv.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * n;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < n; ++i) acc += xr[i] * xr[i];
+      const float s = 1.f / std::sqrt(acc / static_cast<float>(n) + static_cast<float>(eps));
+      ip[r] = s;
+      float* yr = yp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) yr[i] = wp[i] * (xr[i] * s);
+    }
+  });
+  return {y, inv};
+}
+
+// Gradients of rms_norm_fwd: with a = w * g, dx = inv * a - x * inv^3 * mean(a * x); dw = sum over rows of g * x * inv.
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& g_in, const at::Tensor& x_in, const at::Tensor& w,
+                                                const at::Tensor& inv) {
+  const at::Tensor g = g_in.contiguous(), x = x_in.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  at::Tensor dx = at::empty_like(x);
+  at::Tensor dw = at::empty({n}, w.options());
+  std::vector<double> dw_acc(n, 0.0);  // summed over rows in double: float32 running sums drift over ~1e3 rows
+  const float* gp = g.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* ip = inv.data_ptr<float>();
+  float* dxp = dx.data_ptr<float>();
+  float* dwp = dw.data_ptr<float>();
+  double* dwa = dw_acc.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gr = gp + r * n;
+    const float* xr = xp + r * n;
+    const float s = ip[r];
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < n; ++i) dot += wp[i] * gr[i] * xr[i];
+    const float c = s * s * s * dot / static_cast<float>(n);
+    float* dxr = dxp + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      dxr[i] = s * wp[i] * gr[i] - c * xr[i];
+      dwa[i] += static_cast<double>(gr[i] * xr[i] * s);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) dwp[i] = static_cast<float>(dwa[i]);
+  return {dx, dw};
+}
+
+// RoPE on x [rows, heads, d] with per-row tables cos / signed_sin [rows, d]: y = x * cos + roll(x, d/2) * signed_sin
+// (fast_decoder._rope). With `transpose`, the adjoint: y[j] = x[j] * cos[j] + x[j'] * signed_sin[j'], j' = (j+d/2) % d,
+// which is the gradient of the forward map.
+at::Tensor rope_rows(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& ssin, bool transpose) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / std::max<int64_t>(heads * d, 1);
+  const int64_t half = d / 2;
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = ssin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* v = xp + (r * heads + h) * d;
+        float* o = yp + (r * heads + h) * d;
+        if (transpose) {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) o[i] = v[i] * c[i] + v[i + half] * s[i + half];
+#pragma omp simd
+          for (int64_t i = half; i < d; ++i) o[i] = v[i] * c[i] + v[i - half] * s[i - half];
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) o[i] = v[i] * c[i] + v[i + half] * s[i];
+#pragma omp simd
+          for (int64_t i = half; i < d; ++i) o[i] = v[i] * c[i] + v[i - half] * s[i];
+        }
+      }
+    }
+  });
+  return y;
+}
+
 TORCH_LIBRARY(relayrl_cpu, m) {
   m.def(
       "decode_step(Tensor h, Tensor?[] weights, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
@@ -208,4 +307,7 @@ TORCH_LIBRARY(relayrl_cpu, m) {
       "int head_dim, float scaling, Tensor final_norm, float final_eps, Tensor head_w, Tensor? head_b) -> Tensor",
       &cpu_decode_step);
   m.def("sample_inverse_cdf(Tensor probs, Tensor u) -> (Tensor, Tensor)", &sample_inverse_cdf);
+  m.def("rms_norm_fwd(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)", &rms_norm_fwd);
+  m.def("rms_norm_bwd(Tensor g, Tensor x, Tensor w, Tensor inv) -> (Tensor, Tensor)", &rms_norm_bwd);
+  m.def("rope(Tensor x, Tensor cos, Tensor ssin, bool transpose) -> Tensor", &rope_rows);
 }
