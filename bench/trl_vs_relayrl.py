@@ -365,9 +365,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_trl_vs_relayrl_") as tmp:
         model_dir = str(Path(tmp) / "tiny-qwen2")
         n_params = build_model_dir(Path(model_dir))
-        from relayrl.models.generation.cpu_kernels import load_cpu_decode
+        from relayrl.models.generation.cpu_kernels import load_cpu_kernels
 
-        load_cpu_decode()  # build relayrl's compiled CPU decode step now (cached), not inside a timed run
+        load_cpu_kernels()  # build relayrl's compiled CPU kernels now (cached), not inside a timed run
         print(f"model: random Qwen2 h128 L2 4 heads, {n_params:,} params; {NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
         print(f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}, 1 thread, fp32; ", end="")
         print(f"{args.rounds} rounds x {args.steps} steady steps (+{args.warmup} warm-up) each")

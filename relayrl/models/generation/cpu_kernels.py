@@ -1,10 +1,12 @@
-"""relayrl's compiled CPU decode step (csrc/cpu_decode.cpp): built on first use, cached, optional.
+"""relayrl's compiled CPU kernels (csrc/cpu_kernels.cpp): built on first use, cached, optional.
 
 Why: a small model's decode step on CPU is bound by the dispatch of ~400 PyTorch ops, not by arithmetic; one
-compiled call per step (matrix products still through ATen/MKL) halves the step at the sizes CPU RL runs at.
+compiled call per step (matrix products still through ATen/MKL) cuts the step by a third at the sizes CPU RL runs
+at. The same library holds the inverse-CDF sampler and the RMSNorm / RoPE forward and backward kernels of the
+policy's full-sequence passes (`torch.ops.relayrl_cpu.*`).
 The library is compiled with the C++ toolchain torch uses for extensions (a C++ compiler and `ninja`), once per
 source, torch version and instruction set, into `~/.cache/relayrl/cpu_kernels/` (override with
-RELAYRL_KERNEL_CACHE); later processes only load it. When it cannot be built, `load_cpu_decode()` returns None with
+RELAYRL_KERNEL_CACHE); later processes only load it. When it cannot be built, `load_cpu_kernels()` returns None with
 a one-line reason logged, and generation keeps the PyTorch formulation. RELAYRL_CPU_KERNELS=0 turns it off.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 _LOG = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
@@ -39,8 +41,8 @@ def _build_dir(cflags: list[str]) -> Path:
     return root / key[:16]
 
 
-def load_cpu_decode() -> bool:
-    """Build (first time only) and load `torch.ops.relayrl_cpu.decode_step`; False when unavailable here."""
+def load_cpu_kernels() -> bool:
+    """Build (first time only) and load the `torch.ops.relayrl_cpu` kernels; False when unavailable here."""
     with _LOCK:
         if "ok" not in _STATE:
             loaded = hasattr(torch.ops, "relayrl_cpu") and hasattr(torch.ops.relayrl_cpu, "decode_step")
@@ -58,7 +60,7 @@ def _load() -> bool:
         build = _build_dir(cflags)
         build.mkdir(parents=True, exist_ok=True)
         load(
-            name="relayrl_cpu_decode",
+            name="relayrl_cpu_kernels",
             sources=[str(_SOURCE)],
             extra_cflags=cflags,
             build_directory=str(build),
@@ -67,6 +69,6 @@ def _load() -> bool:
         )
     except Exception as exc:  # no compiler / ninja, or a failed build: generation keeps the PyTorch ops
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        _LOG.warning("relayrl: compiled CPU decode step unavailable (%s); using PyTorch ops", reason[:200])
+        _LOG.warning("relayrl: compiled CPU kernels unavailable (%s); using PyTorch ops", reason[:200])
         return False
     return True

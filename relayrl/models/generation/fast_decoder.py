@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relayrl.models.generation.cpu_kernels import load_cpu_decode
+from relayrl.models.generation.cpu_kernels import load_cpu_kernels
 
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # RoPE variants whose cos/sin depend on the position only (not on the running sequence length).
@@ -180,7 +180,7 @@ class FastDecoder:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.key_bias: torch.Tensor | None = None  # [b, 1, 1, T] additive: -inf at left-pad columns
-        self.native = native and self._native_supported() and load_cpu_decode()
+        self.native = native and self._native_supported() and load_cpu_kernels()
         if self.native:
             order = ("in_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down")
             self._native_weights: list[torch.Tensor | None] = []

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from relayrl.models.generation.cpu_kernels import load_cpu_decode
+from relayrl.models.generation.cpu_kernels import load_cpu_kernels
 from relayrl.models.generation.fast_decoder import (
     FAST_MODEL_TYPES,
     STATIC_ROPE_TYPES,
@@ -197,7 +197,7 @@ class _Backbone:
         modules = list(base.layers[: base.config.num_hidden_layers])
         self.layers = [_read_layer(m) for m in modules]
         # RMSNorm and RoPE as compiled CPU kernels (forward and backward) for float32 CPU passes.
-        self.native = native and self.embed.device.type == "cpu" and load_cpu_decode()
+        self.native = native and self.embed.device.type == "cpu" and load_cpu_kernels()
         # HF checkpoints a decoder layer exactly when its flag is set and it is in training mode, through the
         # function activation checkpointing installed (it carries use_reentrant and CPU offload).
         self.checkpoint_fns: list[Callable[..., Any] | None] = [

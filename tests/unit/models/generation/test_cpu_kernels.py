@@ -1,4 +1,4 @@
-"""relayrl's compiled CPU decode step (csrc/cpu_decode.cpp) against the PyTorch formulation it replaces."""
+"""relayrl's compiled CPU kernels (csrc/cpu_kernels.cpp) against the PyTorch formulations they replace."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not HAVE_TOOLCHAIN, reason="no C++ compiler / ni
 
 
 def test_the_kernel_library_builds_and_loads_here() -> None:
-    assert cpu_kernels.load_cpu_decode()
+    assert cpu_kernels.load_cpu_kernels()
 
 
 def _sharp(model: torch.nn.Module) -> torch.nn.Module:

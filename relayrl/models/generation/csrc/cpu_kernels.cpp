@@ -1,7 +1,10 @@
-// One KV-cache decode step of a llama-family model on CPU, as one call (relayrl::cpu_decode_step).
+// relayrl's CPU kernels (torch.ops.relayrl_cpu.*), loaded by relayrl/models/generation/cpu_kernels.py:
+//   decode_step         one KV-cache decode step of a llama-family model (FastDecoder, native=True)
+//   sample_inverse_cdf  one inverse-CDF draw per row (TokenSampler, native=True)
+//   rms_norm_fwd/bwd, rope  RMSNorm and RoPE of the full-sequence passes, forward and backward (fast_forward)
 //
 // Why: at the sizes CPU RL runs at (hidden 128-1024, 8-64 rows), a decode step through PyTorch ops is ~400 ATen
-// calls, and their dispatch costs more than the arithmetic. Here the matrix products stay ATen/MKL calls (8 per
+// calls, and their dispatch costs more than the arithmetic. Here the matrix products stay ATen/MKL calls (seven per
 // layer) and everything between them (RMSNorm, RoPE, the KV-cache write, attention over the cache, residual adds)
 // runs as plain loops over contiguous float32 rows. Values match the PyTorch formulation (fast_decoder.FastDecoder)
 // to float32 rounding; FastDecoder falls back to it whenever this library is unavailable.
