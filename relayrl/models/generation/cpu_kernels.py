@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def _load() -> bool:
 
         build = _build_dir(cflags)
         build.mkdir(parents=True, exist_ok=True)
+        if not (build / "relayrl_cpu_kernels.so").exists():  # say why this first call pauses
+            print(f"relayrl: building CPU kernels once (~15 s) into {build}", file=sys.stderr, flush=True)
         load(
             name="relayrl_cpu_kernels",
             sources=[str(_SOURCE)],
