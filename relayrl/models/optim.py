@@ -180,12 +180,26 @@ def train_global_batches(
 OPTIMIZER_FILE = "optimizer.pt"
 
 
+def _require_optimizer(optimizer: torch.optim.Optimizer | None, scheduler: Any, owner: str) -> None:
+    if optimizer is None or scheduler is None:
+        raise ValueError(f"optimizer_path was given but the {owner} was built with init_optimizer=False")
+
+
 def save_optimizer_checkpoint(
-    path: str, optimizer: torch.optim.Optimizer, scheduler: Any, weights_version: int, dp: DataParallel, rank: int
+    path: str,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    weights_version: int,
+    dp: DataParallel,
+    rank: int,
+    owner: str,
 ) -> None:
     """Write optimizer + scheduler state (whole tensors, whatever the strategy) to `path`/optimizer.pt from rank 0.
 
-    Every rank must call it: under fsdp2 gathering the sharded moments is a collective."""
+    Every rank must call it: under fsdp2 gathering the sharded moments is a collective. `owner` names the model in
+    the error raised when it was built without an optimizer."""
+    _require_optimizer(optimizer, scheduler, owner)
+    assert optimizer is not None
     state = {
         "optimizer": dp.full_optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
@@ -197,9 +211,16 @@ def save_optimizer_checkpoint(
 
 
 def load_optimizer_checkpoint(
-    path: str, optimizer: torch.optim.Optimizer, scheduler: Any, dp: DataParallel, device: torch.device
+    path: str,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    dp: DataParallel,
+    device: torch.device,
+    owner: str,
 ) -> int:
     """Load what `save_optimizer_checkpoint` wrote (a directory or the file itself); returns the weights_version."""
+    _require_optimizer(optimizer, scheduler, owner)
+    assert optimizer is not None
     file = Path(path)
     if file.is_dir():
         file = file / OPTIMIZER_FILE

@@ -26,6 +26,8 @@ from relayrl.models.generation.cpu_kernels import load_cpu_kernels
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # RoPE variants whose cos/sin depend on the position only (not on the running sequence length).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+#: Largest (even) head size the compiled kernels take (csrc/cpu_kernels.cpp kMaxHeadDim).
+NATIVE_MAX_HEAD_DIM = 512
 #: Prompt tokens per prefill chunk (rows are chunked so this many positions go through the model at once).
 PREFILL_TOKENS_PER_CHUNK = 8192
 
@@ -153,7 +155,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) ->
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, native: bool) -> torch.Tensor:
     """`_rope` for x [N, heads, D] and tables [N, 1, D], compiled when `native` and everything is float32 CPU."""
-    if native and x.dtype == cos.dtype == signed_sin.dtype == torch.float32 and x.device.type == "cpu":
+    native = native and x.shape[-1] <= NATIVE_MAX_HEAD_DIM and x.device.type == "cpu"
+    if native and x.dtype == cos.dtype == signed_sin.dtype == torch.float32:
         return _CpuRope.apply(x, cos.contiguous(), signed_sin.contiguous())
     return _rope(x, cos, signed_sin)
 
@@ -192,7 +195,7 @@ class FastDecoder:
 
     def _native_supported(self) -> bool:
         """The compiled step covers float32 CPU models without q/k norms whose tensors are all contiguous."""
-        if self.head_dim > 512 or self.head_dim % 2:
+        if self.head_dim > NATIVE_MAX_HEAD_DIM or self.head_dim % 2:
             return False
         tensors = [self.embed, self.final_norm, *(t for t in self.head if t is not None)]
         for layer in self.layers:
@@ -293,7 +296,8 @@ class FastDecoder:
         """`step` as one call of the compiled CPU step (same values to float32 rounding)."""
         bias = None if self.key_bias is None else self.key_bias.view(self.key_bias.shape[0], -1)  # [b, T]
         return torch.ops.relayrl_cpu.decode_step(
-            F.embedding(tokens, self.embed),  # [b, H]
+            tokens,
+            self.embed,
             self._native_weights,
             self._native_eps,
             self.k_cache,

@@ -171,10 +171,8 @@ class PolicyWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, max_num_steps))
 
     def _load_optimizer(self, optimizer_path: str) -> None:
-        if self.optimizer is None or self.scheduler is None:
-            raise ValueError("optimizer_path was given but the policy was built with init_optimizer=False")
         self.weights_version = load_optimizer_checkpoint(
-            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device
+            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device, "policy"
         )
 
     # ------------------------------------------------------------------ forward building blocks
@@ -539,10 +537,8 @@ class PolicyWorker:
 
         Called on every rank (gathering fsdp2's sharded optimizer state is a collective); rank 0 writes."""
         if optimizer_path is not None:
-            if self.optimizer is None or self.scheduler is None:
-                raise ValueError("optimizer_path was given but the policy was built with init_optimizer=False")
             save_optimizer_checkpoint(
-                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank
+                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank, "policy"
             )
         if self.rank != 0:
             return

@@ -205,10 +205,8 @@ class ValueWorker:
             self._load_optimizer(optimizer_path)
 
     def _load_optimizer(self, optimizer_path: str) -> None:
-        if self.optimizer is None or self.scheduler is None:
-            raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
         self.weights_version = load_optimizer_checkpoint(
-            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device
+            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device, "value model"
         )
 
     # ------------------------------------------------------------------ helpers
@@ -345,10 +343,8 @@ class ValueWorker:
 
         Called on every rank (gathering fsdp2's sharded optimizer state is a collective); rank 0 writes."""
         if optimizer_path is not None:
-            if self.optimizer is None or self.scheduler is None:
-                raise ValueError("optimizer_path was given but the value model was built with init_optimizer=False")
             save_optimizer_checkpoint(
-                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank
+                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank, "value model"
             )
         if self.rank != 0:
             return

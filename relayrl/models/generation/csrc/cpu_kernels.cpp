@@ -27,10 +27,13 @@
 namespace {
 
 constexpr int64_t kPerLayer = 16;
-constexpr int64_t kRowGrain = 8;  // rows per task when torch runs several intra-op threads
+constexpr int64_t kMaxHeadDim = 512;  // RoPE works on a stack copy of one head
+constexpr int64_t kRowGrain = 8;      // rows per task when torch runs several intra-op threads
 
-// out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the HF RMSNorm in float32.
-void rms_norm(const float* x, const float* w, float eps, float* out, int64_t rows, int64_t n) {
+// out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the HF RMSNorm in float32; `inv_out` (optional) gets each row's
+// 1 / sqrt(mean + eps) for a backward pass.
+void rms_norm(const float* x, const float* w, float eps, float* out, int64_t rows, int64_t n,
+              float* inv_out = nullptr) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* o = out + r * n;
@@ -38,6 +41,7 @@ void rms_norm(const float* x, const float* w, float eps, float* out, int64_t row
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < n; ++i) acc += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(acc / static_cast<float>(n) + eps);
+    if (inv_out != nullptr) inv_out[r] = inv;
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (xr[i] * inv);
   }
@@ -46,7 +50,7 @@ void rms_norm(const float* x, const float* w, float eps, float* out, int64_t row
 // In place: x = x * cos + rotate_half(x) * sin for `heads` vectors of size d (sign of rotate_half in signed_sin).
 void rope(float* x, const float* cos, const float* ssin, int64_t heads, int64_t d) {
   const int64_t half = d / 2;
-  float tmp[512];
+  float tmp[kMaxHeadDim];
   for (int64_t h = 0; h < heads; ++h) {
     float* v = x + h * d;
     for (int64_t i = 0; i < d; ++i) tmp[i] = v[i];
@@ -63,18 +67,19 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<a
 
 }  // namespace
 
-at::Tensor cpu_decode_step(const at::Tensor& h_in, const c10::List<std::optional<at::Tensor>>& weights,
-                           at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
-                           const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions,
+at::Tensor cpu_decode_step(const at::Tensor& tokens, const at::Tensor& embed,
+                           const c10::List<std::optional<at::Tensor>>& weights, at::ArrayRef<double> eps,
+                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos_table,
+                           const at::Tensor& sin_table, const at::Tensor& positions,
                            const std::optional<at::Tensor>& key_bias, int64_t col, int64_t n_heads, int64_t n_kv,
                            int64_t head_dim, double scaling, const at::Tensor& final_norm, double final_eps,
                            const at::Tensor& head_w, const std::optional<at::Tensor>& head_b) {
-  const int64_t b = h_in.size(0), hidden = h_in.size(1), d = head_dim;
+  const int64_t b = tokens.size(0), hidden = embed.size(1), d = head_dim;
   const int64_t group = n_heads / n_kv, end = col + 1;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer, "cpu_decode_step: weights per layer");
-  TORCH_CHECK(d <= 512, "cpu_decode_step: head_dim > 512");
-  at::Tensor h = h_in.contiguous().clone();  // [b, H] residual stream
+  TORCH_CHECK(d <= kMaxHeadDim, "cpu_decode_step: head_dim > ", kMaxHeadDim);
+  at::Tensor h = at::index_select(embed, 0, tokens);  // [b, H] residual stream (a fresh tensor)
   at::Tensor x = at::empty_like(h);
   at::Tensor attn = at::empty({b, n_heads * d}, h.options());
   at::Tensor scores = at::empty({b * n_heads, end}, h.options());
@@ -214,21 +219,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at
   at::Tensor y = at::empty_like(x);
   at::Tensor inv = at::empty({rows}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* ip = inv.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * n;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < n; ++i) acc += xr[i] * xr[i];
-      const float s = 1.f / std::sqrt(acc / static_cast<float>(n) + static_cast<float>(eps));
-      ip[r] = s;
-      float* yr = yp + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) yr[i] = wp[i] * (xr[i] * s);
-    }
+    rms_norm(xp + begin * n, w.data_ptr<float>(), static_cast<float>(eps), yp + begin * n, end - begin, n, ip + begin);
   });
   return {y, inv};
 }
@@ -271,32 +265,29 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& g_in, const at
 // (fast_decoder._rope). With `transpose`, the adjoint: y[j] = x[j] * cos[j] + x[j'] * signed_sin[j'], j' = (j+d/2) % d,
 // which is the gradient of the forward map.
 at::Tensor rope_rows(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& ssin, bool transpose) {
-  const at::Tensor x = x_in.contiguous();
-  const int64_t d = x.size(-1), heads = x.size(-2), rows = x.numel() / std::max<int64_t>(heads * d, 1);
+  at::Tensor y = x_in.contiguous().clone();
+  const int64_t d = y.size(-1), heads = y.size(-2), rows = y.numel() / std::max<int64_t>(heads * d, 1);
+  TORCH_CHECK(d <= kMaxHeadDim && d % 2 == 0, "rope: head_dim must be even and <= ", kMaxHeadDim);
   const int64_t half = d / 2;
-  at::Tensor y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = ssin.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    float tmp[kMaxHeadDim];
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cp + r * d;
       const float* s = sp + r * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* v = xp + (r * heads + h) * d;
-        float* o = yp + (r * heads + h) * d;
-        if (transpose) {
+      float* v = yp + r * heads * d;
+      if (!transpose) {
+        rope(v, c, s, heads, d);
+        continue;
+      }
+      for (int64_t h = 0; h < heads; ++h, v += d) {
+        for (int64_t i = 0; i < d; ++i) tmp[i] = v[i];
 #pragma omp simd
-          for (int64_t i = 0; i < half; ++i) o[i] = v[i] * c[i] + v[i + half] * s[i + half];
+        for (int64_t i = 0; i < half; ++i) v[i] = tmp[i] * c[i] + tmp[i + half] * s[i + half];
 #pragma omp simd
-          for (int64_t i = half; i < d; ++i) o[i] = v[i] * c[i] + v[i - half] * s[i - half];
-        } else {
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) o[i] = v[i] * c[i] + v[i + half] * s[i];
-#pragma omp simd
-          for (int64_t i = half; i < d; ++i) o[i] = v[i] * c[i] + v[i - half] * s[i];
-        }
+        for (int64_t i = half; i < d; ++i) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i - half];
       }
     }
   });
@@ -305,7 +296,7 @@ at::Tensor rope_rows(const at::Tensor& x_in, const at::Tensor& cos, const at::Te
 
 TORCH_LIBRARY(relayrl_cpu, m) {
   m.def(
-      "decode_step(Tensor h, Tensor?[] weights, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
+      "decode_step(Tensor tokens, Tensor embed, Tensor?[] weights, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
       "Tensor cos_table, Tensor sin_table, Tensor positions, Tensor? key_bias, int col, int n_heads, int n_kv, "
       "int head_dim, float scaling, Tensor final_norm, float final_eps, Tensor head_w, Tensor? head_b) -> Tensor",
       &cpu_decode_step);
