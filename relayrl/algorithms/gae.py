@@ -6,14 +6,20 @@ scalar outcome reward lands on the last valid token of each row. The backward re
 the running advantage over masked positions, so a masked gap (e.g. an environment observation between two
 assistant turns) behaves exactly as if it had been cut out of the sequence.
 
-`compute_gae` is a free function (no config object) so configs can evolve without touching the math.
+`compute_gae` is a free function (no config object) so configs can evolve without touching the math. The PPO
+estimators built on it and the sharded whitening the data-plane critic runs on its workers live here too, so the
+value workers import math, never a trainer.
 """
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 
 from relayrl.algorithms.utils import calculate_kl, masked_mean, masked_var
+from relayrl.config import ClippedPGLossConfig, PPOAdvEstimatorConfig
 
 
 def last_valid_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -185,3 +191,151 @@ class GeneralizedAdvantageEstimator:
         if self.normalize_advantages:
             advantages = whiten(advantages, mask)
         return advantages * (mask != 0).to(advantages.dtype), returns
+
+
+class RawRewardAdvantageEstimator:
+    """a = r (minus beta * KL per token when the KL is in the reward), broadcast; optionally whitened over the mask.
+
+    The critic still needs targets, so the returns are the discounted Monte-Carlo returns (GAE with lambda = 1),
+    which do not depend on the values.
+    """
+
+    def __init__(self, gamma: float, normalize_advantages: bool, kl: GeneralizedAdvantageEstimator) -> None:
+        self.gamma = gamma
+        self.normalize_advantages = normalize_advantages
+        self._kl = kl  # only its KL-in-reward settings are used
+
+    def compute_advantage(
+        self,
+        prompt_ids: torch.Tensor,  # [B, P]; unused, kept for the estimator interface
+        rewards: torch.Tensor,  # [B]
+        mask: torch.Tensor,  # [B, S]
+        values: torch.Tensor,  # [B, S]
+        logprobs_policy: torch.Tensor | None = None,  # [B, S]
+        logprobs_reference: torch.Tensor | None = None,  # [B, S]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        token_rewards = self._kl.kl_token_rewards(logprobs_policy, logprobs_reference)  # [B, S] | None
+        adv = rewards.to(torch.float32).unsqueeze(-1).expand(-1, mask.shape[1])  # [B, S]
+        if token_rewards is not None:
+            adv = adv + token_rewards.to(adv.dtype)
+        if self.normalize_advantages:
+            maskf = mask.to(adv.dtype)  # [B, S]
+            count = maskf.sum().clamp(min=1.0)
+            mean = (adv * maskf).sum() / count
+            var = ((adv - mean).square() * maskf).sum() / count
+            adv = (adv - mean) * torch.rsqrt(var.clamp(min=1e-8))
+        _, returns = compute_gae(rewards, values.to(torch.float32), mask, self.gamma, 1.0, token_rewards)
+        return adv, returns
+
+
+def build_ppo_advantage_estimator(
+    adv_cfg: PPOAdvEstimatorConfig, loss_cfg: ClippedPGLossConfig
+) -> GeneralizedAdvantageEstimator | RawRewardAdvantageEstimator:
+    """GAE (default) or raw reward, as named by `ppo.adv_estimator.name`; the KL goes into the reward if configured."""
+    gae = GeneralizedAdvantageEstimator(
+        gamma=adv_cfg.gae_gamma,
+        lam=adv_cfg.gae_lambda,
+        normalize_advantages=adv_cfg.normalize_advantages,
+        lam_value=adv_cfg.gae_lambda_value,
+        lam_policy=adv_cfg.gae_lambda_policy,
+        length_adaptive_alpha=adv_cfg.length_adaptive_alpha,
+        use_kl_in_reward=loss_cfg.use_kl_in_reward,
+        kl_coef=loss_cfg.reference_policy_kl_penalty,
+        kl_type=loss_cfg.reference_policy_kl_type,
+    )
+    if adv_cfg.name == "gae":
+        return gae
+    if adv_cfg.name == "raw_reward":
+        return RawRewardAdvantageEstimator(adv_cfg.gae_gamma, adv_cfg.normalize_advantages, gae)
+    raise ValueError(f"PPO only supports 'gae' or 'raw_reward' advantage estimators, got {adv_cfg.name!r}")
+
+
+def require_valid_tokens(mask: torch.Tensor) -> None:
+    """A step whose filters removed every response token cannot train either model: fail loudly, not silently."""
+    if not bool((mask != 0).any()):
+        raise RuntimeError(
+            "no valid response tokens after filtering (every row truncated, masked by loss_multiplier or by "
+            "ppo.seq_logprob_error_threshold); raise policy.generation.max_new_tokens or disable ppo.overlong_filtering"
+        )
+
+
+def advantage_value_metrics(
+    advantages: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Advantage extrema and the mean advantage / return / value over the trained tokens."""
+    valid = advantages[mask.bool()]
+    maskf = mask.float()  # [B, S]
+    return {
+        "advantages/mean": valid.mean().item() if valid.numel() else 0.0,
+        "advantages/max": valid.max().item() if valid.numel() else 0.0,
+        "advantages/min": valid.min().item() if valid.numel() else 0.0,
+        "returns/mean": float(masked_mean(returns.float(), maskf)),
+        "values/mean": float(masked_mean(values.float(), maskf)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- sharded GAE
+# The data-plane trainer runs the estimator on the value workers, each on its own rows. GAE itself is row-local;
+# only the optional whitening is a batch-wide reduction. One shard (dp=1) runs `compute_advantage` unchanged, so its
+# numbers equal the legacy trainer's bit for bit; with several shards the workers first write raw advantages and
+# return float64 moments, the driver sums them, and a second pass whitens with the global mean and variance.
+
+
+def without_normalization(estimator: Any) -> Any:
+    """A shallow copy of `estimator` that skips whitening (the raw pass of the sharded computation)."""
+    raw = copy.copy(estimator)
+    raw.normalize_advantages = False
+    return raw
+
+
+def advantage_moments(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[3] float64 (sum m, sum a*m, sum a^2*m) over a shard: summed over shards they give the batch moments."""
+    a, m = advantages.double(), mask.double()  # [B, S]
+    return torch.stack([m.sum(), (a * m).sum(), (a * a * m).sum()])
+
+
+def whiten_with_moments(
+    advantages: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | list[float], estimator: Any
+) -> torch.Tensor:
+    """Whiten raw advantages `[B, S]` with batch moments, by the estimator's own rule: GAE's `whiten` (unbiased
+    variance, + 1e-8, zero off the mask) or the raw-reward estimator's (biased variance floored at 1e-8)."""
+    n, s, q = (float(x) for x in moments)
+    raw_reward = isinstance(estimator, RawRewardAdvantageEstimator)
+    count = max(n, 1.0) if raw_reward else n + 1e-8
+    mean = s / count
+    var = max(q / count - mean * mean, 0.0)  # biased
+    if raw_reward:
+        return (advantages - mean) * max(var, 1e-8) ** -0.5
+    if n > 1:
+        var = var * n / (n - 1)
+    maskf = mask.to(advantages.dtype)  # [B, S]
+    return (advantages - mean) * (var + 1e-8) ** -0.5 * maskf * (mask != 0).to(advantages.dtype)
+
+
+def shard_advantage_stats(
+    advantages: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> dict[str, Any]:
+    """A shard's `advantage_value_metrics` plus the weights that combine shards (valid count, mask sum)."""
+    return {
+        "metrics": advantage_value_metrics(advantages, returns, values, mask),
+        "num_valid": int((mask != 0).sum()),
+        "mask_sum": float(mask.float().sum()),
+    }
+
+
+def combine_advantage_stats(parts: list[dict[str, Any]]) -> dict[str, float]:
+    """Batch metrics from per-shard stats: one shard is returned as is (exact); several are weighted by counts."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 1:
+        return dict(parts[0]["metrics"])
+    valid = [p for p in parts if p["num_valid"]]
+    n = sum(p["num_valid"] for p in valid)
+    w = sum(p["mask_sum"] for p in parts)
+    adv = [p["metrics"] for p in valid]
+    return {
+        "advantages/mean": sum(m["advantages/mean"] * p["num_valid"] for m, p in zip(adv, valid)) / n if n else 0.0,
+        "advantages/max": max((m["advantages/max"] for m in adv), default=0.0),
+        "advantages/min": min((m["advantages/min"] for m in adv), default=0.0),
+        "returns/mean": sum(p["metrics"]["returns/mean"] * p["mask_sum"] for p in parts) / w if w else 0.0,
+        "values/mean": sum(p["metrics"]["values/mean"] * p["mask_sum"] for p in parts) / w if w else 0.0,
+    }

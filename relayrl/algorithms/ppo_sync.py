@@ -24,20 +24,15 @@ from typing import Any
 
 import torch
 
+from relayrl.algorithms.gae import build_ppo_advantage_estimator, require_valid_tokens
 from relayrl.algorithms.grpo_common import StepTail, carry_sample_rows, early_stop_reached, post_process_rewards
 from relayrl.algorithms.grpo_sync import (
     _compute_seq_logprob_error_metrics,
     rollout_carry_keys,
     sync_validation_runner,
 )
-from relayrl.algorithms.ppo import (
-    _mean_over_epochs,
-    _policy_metrics,
-    _PolicyAndCritic,
-    build_ppo_advantage_estimator,
-    require_valid_tokens,
-    rollout_view,
-)
+from relayrl.algorithms.ppo import _PolicyAndCritic, rollout_view
+from relayrl.algorithms.utils import mean_over_epochs, policy_train_metrics
 from relayrl.config import MasterConfig
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
@@ -184,8 +179,8 @@ def ppo_train_sync(
             value.finish_step(meta)  # clears every key of the step; a leftover key is an error
 
             # ---- metrics, then validate / checkpoint / log (GRPO's step tail; the critic saved beside the policy) ----
-            critic_metrics = _mean_over_epochs([r["metrics"] for r in critic_results])
-            metrics = _mean_over_epochs([_policy_metrics(r) for r in policy_results])
+            critic_metrics = mean_over_epochs([r["metrics"] for r in critic_results])
+            metrics = mean_over_epochs([policy_train_metrics(r) for r in policy_results])
             metrics.setdefault("global_valid_toks", critic_metrics.get("global_valid_toks", 0.0))
             dp_metrics = _step_bytes(policy, value, rollout_actor, carry_bytes)
             metrics.update(

@@ -182,3 +182,26 @@ def aggregate_train_metrics(all_mb_metrics: dict[str, Any]) -> dict[str, float]:
         else:
             out[key] = float(sum(values))
     return out
+
+
+def policy_train_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """One `policy.train` result as flat metrics: micro-batch metrics aggregated, loss summed, grad norm."""
+    out = aggregate_train_metrics(result["all_mb_metrics"])
+    out["loss"] = float(result["loss"].sum())
+    if result.get("grad_norm") is not None:
+        out["grad_norm"] = float(result["grad_norm"])
+    return out
+
+
+def mean_over_epochs(per_epoch: list[dict[str, float]]) -> dict[str, float]:
+    """One number per metric over the PPO epochs: min / max for extrema, the mean for everything else."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for d in per_epoch for k in d):
+        values = [float(d[key]) for d in per_epoch if key in d]
+        if key.endswith("_min"):
+            out[key] = min(values)
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

@@ -186,7 +186,7 @@ class TQValue(Value):
         _check_meta(meta, "compute_advantages_from_meta")
         shards = self._shards(meta, (), TASK_ADVANTAGES, None)
         lp = tuple(logprob_fields)
-        from relayrl.algorithms.ppo import combine_advantage_stats
+        from relayrl.algorithms.gae import combine_advantage_stats
 
         with _timed(timer, "advantage_calculation/workers"):
             live = sum(1 for s in shards if s.size)

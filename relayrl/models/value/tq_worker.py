@@ -6,7 +6,7 @@ per-token results (`values`, `advantages`, `returns`) back under the same keys, 
 metadata, training statistics and a handful of floats travel back to the driver.
 
 GAE runs here too: it needs the values this worker just wrote, the masks and the per-row rewards, all already in
-the store, and it is row-local except for the optional whitening (see `relayrl.algorithms.ppo`, sharded GAE).
+the store, and it is row-local except for the optional whitening (see `relayrl.algorithms.gae`, sharded GAE).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from relayrl.algorithms.ppo import (
+from relayrl.algorithms.gae import (
     advantage_moments,
     shard_advantage_stats,
     whiten_with_moments,

@@ -13,11 +13,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from relayrl.algorithms.gae import GeneralizedAdvantageEstimator, compute_gae
-from relayrl.algorithms.loss_functions import ClippedPGLossFn
-from relayrl.algorithms.ppo import (
+from relayrl.algorithms.gae import (
+    GeneralizedAdvantageEstimator,
     RawRewardAdvantageEstimator,
     build_ppo_advantage_estimator,
+    compute_gae,
+)
+from relayrl.algorithms.loss_functions import ClippedPGLossFn
+from relayrl.algorithms.ppo import (
     build_ppo_train_data,
     ppo_train,
     rollout_view,

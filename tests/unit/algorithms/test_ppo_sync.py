@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.algorithms.gae import GeneralizedAdvantageEstimator
-from relayrl.algorithms.ppo import (
+from relayrl.algorithms.gae import (
+    GeneralizedAdvantageEstimator,
     RawRewardAdvantageEstimator,
-    _advantage_value_metrics,
     advantage_moments,
+    advantage_value_metrics,
     combine_advantage_stats,
     shard_advantage_stats,
     whiten_with_moments,
@@ -56,7 +56,7 @@ def test_two_shard_whitening_equals_the_whole_batch(kind) -> None:
 def test_shard_stats_combine_to_the_batch_metrics() -> None:
     rewards, values, mask = _batch(1)
     adv, ret = GeneralizedAdvantageEstimator(1.0, 0.95, True).compute_advantage(None, rewards, mask, values)
-    whole = _advantage_value_metrics(adv, ret, values, mask)
+    whole = advantage_value_metrics(adv, ret, values, mask)
     assert combine_advantage_stats([shard_advantage_stats(adv, ret, values, mask)]) == whole  # one shard: as is
     shards = [shard_advantage_stats(adv[r], ret[r], values[r], mask[r]) for r in (slice(0, 3), slice(3, 6))]
     assert combine_advantage_stats([*shards, None]) == pytest.approx(whole, abs=1e-6)  # None: an idle rank

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from relayrl.algorithms.gae import GeneralizedAdvantageEstimator
-from relayrl.algorithms.ppo import RawRewardAdvantageEstimator, _advantage_value_metrics
+from relayrl.algorithms.gae import GeneralizedAdvantageEstimator, RawRewardAdvantageEstimator, advantage_value_metrics
 from relayrl.algorithms.value_loss import MseValueLossFn
 from relayrl.config import ClusterConfig, DataPlaneConfig, ValueConfig
 from relayrl.data_plane.column_io import first_write
@@ -135,7 +134,7 @@ def test_train_from_meta_equals_value_train(make_value, char_tokenizer) -> None:
 def _legacy_advantages(batch: BatchedDataDict, values: torch.Tensor, estimator: Any) -> tuple[Any, ...]:
     mask = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)  # [B, S]
     adv, ret = estimator.compute_advantage(torch.zeros(batch.size, 1), batch["rewards"], mask, values)
-    return adv, ret, _advantage_value_metrics(adv, ret, values, mask)
+    return adv, ret, advantage_value_metrics(adv, ret, values, mask)
 
 
 @pytest.mark.parametrize("dp", [1, 2])
