@@ -1,4 +1,4 @@
-"""CPU time of the policy's full-sequence passes: HF's backbone forward vs `fast_forward`, optionally length-bucketed.
+"""CPU time of the policy's full-sequence passes: HF's backbone forward vs `fast.forward`, optionally length-bucketed.
 
 Why: after generation, a GRPO step is two no-grad log-prob passes (policy and reference) and one training
 forward+backward over the same batch; on the tiny bench model these dominate the step. This measures both passes
@@ -8,7 +8,7 @@ a random Qwen2 (hidden 128, 2 layers, 4 heads, intermediate 512, tied embeddings
 9-11 token prompt plus a completion whose length is geometric (the chance a random model samples <|end|>),
 capped at 64 tokens, right-padded to the longest row.
 
-Variants: `hf` (model.base_model), `fast` (fast_forward), each also with the rows sorted by length and cut into
+Variants: `hf` (model.base_model), `fast` (fast.forward), each also with the rows sorted by length and cut into
 `--buckets` micro-batches that are each trimmed to their own longest row. Variants run interleaved, round after
 round, so a change in machine load hits all of them alike; CPU time (time.process_time) per call, medians.
 
@@ -32,8 +32,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from relayrl.models.fast.forward import fast_hidden_states, hf_hidden_states
+from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.policy import logprobs as lp_ops
-from relayrl.models.policy.fast_forward import fast_forward_unsupported, fast_hidden_states, hf_hidden_states
 from relayrl.models.tiny import build_tiny_qwen2
 
 VOCAB, ROWS, MAX_NEW = 103, 32, 64
@@ -108,7 +109,7 @@ def main() -> None:
     model = build_tiny_qwen2(
         vocab_size=VOCAB, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512, seed=42
     )
-    assert fast_forward_unsupported(model) is None
+    assert fast_path_unsupported(model) is None
     ids, lengths = make_batch(args.seed, args.eos_prob)
     print(
         f"batch {tuple(ids.shape)}: lengths mean {lengths.float().mean():.1f}, min {int(lengths.min())}, "

@@ -365,7 +365,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_trl_vs_relayrl_") as tmp:
         model_dir = str(Path(tmp) / "tiny-qwen2")
         n_params = build_model_dir(Path(model_dir))
-        from relayrl.models.generation.cpu_kernels import load_cpu_kernels
+        from relayrl.models.fast.kernels import load_cpu_kernels
 
         load_cpu_kernels()  # build relayrl's compiled CPU kernels now (cached), not inside a timed run
         print(f"model: random Qwen2 h128 L2 4 heads, {n_params:,} params; {NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")

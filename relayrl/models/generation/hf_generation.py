@@ -20,7 +20,8 @@ from torch import nn
 
 from relayrl.config import GenerationConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.generation.fast_decoder import FastDecoder, HfDecoder, fast_path_unsupported
+from relayrl.models.fast.decoder import FastDecoder, HfDecoder
+from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
 from relayrl.models.generation.sampling import TokenSampler
 
@@ -104,7 +105,7 @@ class HfGeneration(GenerationInterface):
     @property
     def uses_fast_path(self) -> bool:
         """Whether generation runs through FastDecoder (else the model's HF forward)."""
-        reason = fast_path_unsupported(self.model)
+        reason = fast_path_unsupported(self.model, lm_head=True)
         if self._fast_path and reason is not None:
             raise ValueError(f"fast_path=True but this model cannot use it: {reason}")
         return self._fast_path is not False and reason is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.models.generation.cpu_kernels import load_cpu_kernels
+from relayrl.models.fast.kernels import load_cpu_kernels
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -67,7 +67,7 @@ class TokenSampler:
         self.top_p = float(top_p)
         self.greedy = greedy
         self.generator = generator
-        # relayrl's compiled CPU sampler (cpu_kernels): the same draw in one call instead of ~10 ops per step.
+        # relayrl's compiled CPU sampler (fast.kernels): the same draw in one call instead of ~10 ops per step.
         self.native = native and not greedy and top_k is None and top_p >= 1.0 and load_cpu_kernels()
 
     def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.distributed.parallelize import wrap_model
+from relayrl.models.fast.forward import backbone_hidden_states, selected_hidden_states
 from relayrl.models.optim import (
     all_reduce_clip_and_step,
     load_optimizer_checkpoint,
@@ -37,7 +38,6 @@ from relayrl.models.optim import (
     train_global_batches,
 )
 from relayrl.models.policy import logprobs as lp_ops
-from relayrl.models.policy.fast_forward import backbone_hidden_states, selected_hidden_states
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
 

@@ -32,13 +32,13 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.distributed.parallelize import wrap_model
+from relayrl.models.fast.forward import backbone_hidden_states
 from relayrl.models.optim import (
     all_reduce_clip_and_step,
     load_optimizer_checkpoint,
     save_optimizer_checkpoint,
     train_global_batches,
 )
-from relayrl.models.policy.fast_forward import backbone_hidden_states
 from relayrl.models.policy.worker import _LOAD_LOCK, lr_factor
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path

@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from relayrl.config import ColocatedConfig, GenerationConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.generation.fast_decoder import fast_path_unsupported
+from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.generation.sampling import TokenSampler, apply_top_k_top_p
 from relayrl.models.tiny import build_tiny_qwen2
@@ -405,17 +405,17 @@ def test_outputs_are_ordinary_tensors_usable_in_training(char_tokenizer, qwen2) 
 
 def test_fast_path_refuses_unsupported_models(char_tokenizer) -> None:
     gpt2 = _gpt2(len(char_tokenizer))
-    assert "model_type" in fast_path_unsupported(gpt2)
+    assert "model_type" in fast_path_unsupported(gpt2, lm_head=True)
     with pytest.raises(ValueError, match="fast_path=True"):
         _engine(char_tokenizer, gpt2, fast_path=True)
 
 
 def test_chunked_prefill_matches_single_prefill(char_tokenizer, qwen2, monkeypatch) -> None:
-    from relayrl.models.generation import fast_decoder
+    from relayrl.models.fast import decoder
 
     batch = _batch(char_tokenizer, PROMPTS)
     whole = _engine(char_tokenizer, qwen2, max_new_tokens=6).generate(batch, greedy=True)
-    monkeypatch.setattr(fast_decoder, "PREFILL_TOKENS_PER_CHUNK", 20)  # one or two rows per chunk
+    monkeypatch.setattr(decoder, "PREFILL_TOKENS_PER_CHUNK", 20)  # one or two rows per chunk
     chunked = _engine(char_tokenizer, qwen2, max_new_tokens=6).generate(batch, greedy=True)
     assert torch.equal(whole["output_ids"], chunked["output_ids"])
     torch.testing.assert_close(whole["logprobs"], chunked["logprobs"], atol=1e-5, rtol=0)

@@ -14,70 +14,23 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from relayrl.algorithms.loss_functions import ClippedPGLossFn, NLLLossFn
 from relayrl.config import ClippedPGLossConfig, PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.fast import packing
+from relayrl.models.fast.forward import hf_hidden_states, selected_hidden_states
+from relayrl.models.fast.packing import SharedPacking, prefix_owners
+from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.policy import logprobs as lp_ops
-from relayrl.models.policy.fast_forward import fast_forward_unsupported, hf_hidden_states, selected_hidden_states
-from relayrl.models.policy.packing import SharedPacking, _prefix_owners
 from relayrl.models.policy.worker import PolicyWorker
-from relayrl.models.tiny import build_tiny_qwen2
-
-VOCAB = 103
-ATOL = 1e-5
-
-
-def _randomize(model: PreTrainedModel, seed: int = 1) -> PreTrainedModel:
-    """Non-trivial norm weights and biases, so every parameter matters."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def _qwen2_bench() -> PreTrainedModel:
-    return _randomize(build_tiny_qwen2(vocab_size=VOCAB, hidden_size=128, num_layers=2, seed=42))
+from tests.unit.models.fast.builders import ATOL, VOCAB, llama_gqa, qwen2_bench, qwen3
 
 
 def _llama_gqa() -> PreTrainedModel:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        attention_bias=True,
-        mlp_bias=True,
-    )
-    return _randomize(LlamaForCausalLM(config))
-
-
-def _qwen3() -> PreTrainedModel:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return _randomize(Qwen3ForCausalLM(config))
+    return llama_gqa(3, pad_token_id=None, rope=None)  # three layers, no padding_idx, default RoPE
 
 
 MODELS: dict[str, Callable[[], PreTrainedModel]] = {
-    "qwen2-bench": _qwen2_bench,
+    "qwen2-bench": qwen2_bench,
     "llama-gqa": _llama_gqa,
-    "qwen3": _qwen3,
+    "qwen3": qwen3,
 }
 
 
@@ -118,7 +71,7 @@ def grpo_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request: pytest.FixtureRequest) -> PreTrainedModel:
     m = MODELS[request.param]()
-    assert fast_forward_unsupported(m) is None
+    assert fast_path_unsupported(m) is None
     return m
 
 
@@ -130,7 +83,7 @@ def test_prefix_owners_match_brute_force() -> None:
     ids, lens, select = grpo_batch()
     full = _pad_select(select)
     kept = torch.tensor([int(r.nonzero().max()) + 1 if r.any() else 0 for r in full])
-    owner = _prefix_owners(ids, kept)
+    owner = prefix_owners(ids, kept)
     for b in range(ids.shape[0]):
         for t in range(int(kept[b])):
             want = min(o for o in range(ids.shape[0]) if kept[o] > t and torch.equal(ids[o, : t + 1], ids[b, : t + 1]))
@@ -142,13 +95,11 @@ def test_prefix_owners_match_brute_force() -> None:
 
 
 def test_small_comparison_blocks_give_the_same_owners(monkeypatch: pytest.MonkeyPatch) -> None:
-    from relayrl.models.policy import packing
-
     ids, _, select = grpo_batch()
     kept = torch.full((ids.shape[0],), ids.shape[1])
-    want = _prefix_owners(ids, kept)
+    want = prefix_owners(ids, kept)
     monkeypatch.setattr(packing, "COMPARE_BLOCK_ELEMENTS", 1)
-    assert torch.equal(_prefix_owners(ids, kept), want)
+    assert torch.equal(prefix_owners(ids, kept), want)
 
 
 def test_selected_hidden_states_match_hf(model: PreTrainedModel) -> None:
@@ -203,7 +154,7 @@ def test_logprobs_and_gradients_match_hf(model: PreTrainedModel, checkpointing: 
 
 
 def test_filtered_and_unfiltered_logprobs_match_the_full_pass() -> None:
-    model = _qwen2_bench()
+    model = qwen2_bench()
     ids, lens, select = grpo_batch()
     kw: dict[str, Any] = dict(temperature=0.9, top_k=20, top_p=0.8, return_unfiltered=True)
     with torch.no_grad():
@@ -284,7 +235,7 @@ def test_unsupported_model_falls_back_to_hf_and_picks_the_positions() -> None:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32)).eval()
-    assert fast_forward_unsupported(model) is not None
+    assert fast_path_unsupported(model) is not None
     ids, lens, select = grpo_batch()
     full = _pad_select(select)
     with torch.no_grad():

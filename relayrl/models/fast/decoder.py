@@ -7,179 +7,45 @@ every row), `step` (feed one token per live row, write its K/V at one cache colu
 `FastDecoder` reads the weight tensors of a llama / mistral / qwen2 / qwen3 module in place (so a colocated engine
 always samples from the live policy weights) and computes exactly what the HF modules compute, minus the per-call
 Python machinery: no module hooks, no mask builders, no cache objects, a grouped-query view instead of repeating K/V
-during decode. Models it cannot reproduce exactly (other architectures, sliding windows, length-dependent RoPE,
-adapters, sharded parameters) are reported by `fast_path_unsupported` and go through `HfDecoder`. On CPU, a float32
-model without q/k norms can run each decode step as one call of relayrl's compiled step (`cpu_kernels`, `native=True`):
-the same computation with the work between the matrix products in C++ loops instead of ~400 dispatched ops.
+during decode. Models it cannot reproduce exactly are reported by `support.fast_path_unsupported(model,
+lm_head=True)` and go through `HfDecoder`. On CPU, a float32 model without q/k norms can run each decode step as one
+call of relayrl's compiled step (`kernels`, `native=True`): the same computation with the work between the matrix
+products in C++ loops instead of ~400 dispatched ops.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from relayrl.models.generation.cpu_kernels import load_cpu_kernels
+from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
+from relayrl.models.fast.support import backbone_of, native_head_dim, native_tensors, read_layer, weight_and_bias
 
-FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# RoPE variants whose cos/sin depend on the position only (not on the running sequence length).
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-#: Largest (even) head size the compiled kernels take (csrc/cpu_kernels.cpp kMaxHeadDim).
-NATIVE_MAX_HEAD_DIM = 512
 #: Prompt tokens per prefill chunk (rows are chunked so this many positions go through the model at once).
 PREFILL_TOKENS_PER_CHUNK = 8192
-
-
-def fast_path_unsupported(model: nn.Module) -> str | None:
-    """None when FastDecoder reproduces `model` exactly, else the reason it cannot."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAST_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {sorted(FAST_MODEL_TYPES)}"
-    base = getattr(model, "model", None)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "unexpected module layout (needs model.embed_tokens/layers/norm/rotary_emb)"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (only silu)"
-    rope_type = getattr(base.rotary_emb, "rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"rope_type {rope_type!r} depends on sequence length"
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "sliding_window", None) is not None and (
-        model_type == "mistral" or "sliding_attention" in layer_types
-    ):
-        return "sliding-window attention"
-    linears = [model.lm_head]
-    for layer in base.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) is not nn.Linear for m in linears):
-        return "projections are not plain nn.Linear (adapters or quantisation)"
-    if any(type(p.data) is not torch.Tensor for p in model.parameters()):
-        return "parameters are not plain tensors (sharded or quantised)"
-    return None
-
-
-class _Layer(NamedTuple):
-    in_norm: torch.Tensor
-    in_eps: float
-    q: tuple[torch.Tensor, torch.Tensor | None]
-    k: tuple[torch.Tensor, torch.Tensor | None]
-    v: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
-    q_norm: torch.Tensor | None  # qwen3: RMSNorm over each head's dims before RoPE
-    k_norm: Any  # set exactly when q_norm is
-    qk_eps: float
-    post_norm: torch.Tensor
-    post_eps: float
-    gate: tuple[torch.Tensor, torch.Tensor | None]
-    up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _wb(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return linear.weight, linear.bias
-
-
-def _read_layer(layer: Any) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return _Layer(
-        in_norm=layer.input_layernorm.weight,
-        in_eps=layer.input_layernorm.variance_epsilon,
-        q=_wb(attn.q_proj),
-        k=_wb(attn.k_proj),
-        v=_wb(attn.v_proj),
-        o=_wb(attn.o_proj),
-        q_norm=None if q_norm is None else q_norm.weight,
-        k_norm=None if k_norm is None else k_norm.weight,
-        qk_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
-        post_norm=layer.post_attention_layernorm.weight,
-        post_eps=layer.post_attention_layernorm.variance_epsilon,
-        gate=_wb(mlp.gate_proj),
-        up=_wb(mlp.up_proj),
-        down=_wb(mlp.down_proj),
-    )
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `signed_sin` (one roll, no cat)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-class _CpuRmsNorm(torch.autograd.Function):
-    """`_rms` for float32 CPU tensors as compiled forward and backward kernels (cpu_kernels)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, inv = torch.ops.relayrl_cpu.rms_norm_fwd(x, weight, eps)
-        ctx.save_for_backward(x, weight, inv)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, weight, inv = ctx.saved_tensors
-        dx, dw = torch.ops.relayrl_cpu.rms_norm_bwd(grad, x, weight, inv)
-        return dx, dw, None
-
-
-class _CpuRope(torch.autograd.Function):
-    """`_rope` of x [N, heads, D] with per-token tables [N, 1, D], forward and backward compiled (cpu_kernels)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, signed_sin)
-        return torch.ops.relayrl_cpu.rope(x, cos, signed_sin, False)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        cos, signed_sin = ctx.saved_tensors
-        return torch.ops.relayrl_cpu.rope(grad, cos, signed_sin, True), None, None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
-    """`_rms`, through the compiled kernels when `native` (the caller checked that they load) and x is float32 CPU."""
-    if native and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
-        return _CpuRmsNorm.apply(x, weight, eps)
-    return _rms(x, weight, eps)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, native: bool) -> torch.Tensor:
-    """`_rope` for x [N, heads, D] and tables [N, 1, D], compiled when `native` and everything is float32 CPU."""
-    native = native and x.shape[-1] <= NATIVE_MAX_HEAD_DIM and x.device.type == "cpu"
-    if native and x.dtype == cos.dtype == signed_sin.dtype == torch.float32:
-        return _CpuRope.apply(x, cos.contiguous(), signed_sin.contiguous())
-    return _rope(x, cos, signed_sin)
 
 
 class FastDecoder:
     """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows.
 
-    `native`: run each decode step as one call of relayrl's compiled CPU step (`cpu_kernels`) when the model is a
+    `native`: run each decode step as one call of relayrl's compiled CPU step (`kernels`) when the model is a
     float32 CPU model without q/k norms and the library loads; otherwise (or with native=False) PyTorch ops."""
 
     def __init__(self, model: Any, *, native: bool = False) -> None:
-        base = model.model  # HF modules are dynamic: attributes are read by name, as the HF forward does
+        base = backbone_of(model)  # HF modules are dynamic: attributes are read by name, as the HF forward does
         attn0 = base.layers[0].self_attn
         self.embed = base.embed_tokens.weight  # [V, H]
         self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
-        self.head = _wb(model.lm_head)
+        self.head = weight_and_bias(model.lm_head)
         self.rotary = base.rotary_emb
         self.head_dim = attn0.head_dim
         self.n_heads = attn0.q_proj.out_features // self.head_dim
         self.n_kv = attn0.k_proj.out_features // self.head_dim
         self.group = self.n_heads // self.n_kv
         self.scaling = float(attn0.scaling)
-        self.layers = [_read_layer(layer) for layer in base.layers]
+        self.layers = [read_layer(layer) for layer in base.layers]
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.key_bias: torch.Tensor | None = None  # [b, 1, 1, T] additive: -inf at left-pad columns
@@ -195,16 +61,14 @@ class FastDecoder:
 
     def _native_supported(self) -> bool:
         """The compiled step covers float32 CPU models without q/k norms whose tensors are all contiguous."""
-        if self.head_dim > NATIVE_MAX_HEAD_DIM or self.head_dim % 2:
+        if not native_head_dim(self.head_dim) or any(layer.q_norm is not None for layer in self.layers):
             return False
         tensors = [self.embed, self.final_norm, *(t for t in self.head if t is not None)]
         for layer in self.layers:
-            if layer.q_norm is not None:
-                return False
             for entry in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down):
                 tensors.extend(t for t in entry if t is not None)
             tensors += [layer.in_norm, layer.post_norm]
-        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        return native_tensors(*tensors) and all(t.is_contiguous() for t in tensors)
 
     def start(self, ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
         """Prefill left-padded prompts ids [B, P]; caches hold `capacity` columns. Returns last-token logits [B, V]."""
@@ -242,23 +106,23 @@ class FastDecoder:
         sin = self.signed_sin[positions].unsqueeze(1)
         h = F.embedding(ids, self.embed)  # [rows, P, H]
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
-            x = _rms(h, layer.in_norm, layer.in_eps)
+            x = rms_norm(h, layer.in_norm, layer.in_eps)
             q = F.linear(x, *layer.q).view(batch, cols, self.n_heads, self.head_dim)
             k = F.linear(x, *layer.k).view(batch, cols, self.n_kv, self.head_dim)
             v = F.linear(x, *layer.v).view(batch, cols, self.n_kv, self.head_dim).transpose(1, 2)  # [rows, Hkv, P, D]
             if layer.q_norm is not None:
-                q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
-            q = _rope(q.transpose(1, 2), cos, sin)  # [rows, Hq, P, D]
-            k = _rope(k.transpose(1, 2), cos, sin)  # [rows, Hkv, P, D]
+                q, k = rms_norm(q, layer.q_norm, layer.qk_eps), rms_norm(k, layer.k_norm, layer.qk_eps)
+            q = rope(q.transpose(1, 2), cos, sin)  # [rows, Hq, P, D]
+            k = rope(k.transpose(1, 2), cos, sin)  # [rows, Hkv, P, D]
             k_cache[row0 : row0 + batch, :, :cols] = k
             v_cache[row0 : row0 + batch, :, :cols] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=self.scaling)
             h = h + F.linear(a.transpose(1, 2).reshape(batch, cols, -1), *layer.o)
-            x = _rms(h, layer.post_norm, layer.post_eps)
+            x = rms_norm(h, layer.post_norm, layer.post_eps)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
-        return F.linear(_rms(h[:, -1], self.final_norm, self.final_eps), *self.head)
+        return F.linear(rms_norm(h[:, -1], self.final_norm, self.final_eps), *self.head)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         """Feed tokens [b] at position ids [b], cached at column `col`; returns next-token logits [b, V]."""
@@ -277,20 +141,20 @@ class FastDecoder:
             bias = bias.expand(b, self.n_kv, 1, end).reshape(b * self.n_kv, 1, end)  # per (row, KV head), once
         h = F.embedding(tokens, self.embed)  # [b, H]
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
-            x = _rms(h, layer.in_norm, layer.in_eps)
+            x = rms_norm(h, layer.in_norm, layer.in_eps)
             # Grouped-query view: the G query heads sharing a KV head become G query rows of that head.
             q = F.linear(x, *layer.q).view(b, self.n_kv, self.group, self.head_dim)
             k = F.linear(x, *layer.k).view(b, self.n_kv, 1, self.head_dim)
             v = F.linear(x, *layer.v).view(b, self.n_kv, 1, self.head_dim)
             if layer.q_norm is not None:
-                q, k = _rms(q, layer.q_norm, layer.qk_eps), _rms(k, layer.k_norm, layer.qk_eps)
-            k_cache.narrow(2, col, 1).copy_(_rope(k, cos, sin))
+                q, k = rms_norm(q, layer.q_norm, layer.qk_eps), rms_norm(k, layer.k_norm, layer.qk_eps)
+            k_cache.narrow(2, col, 1).copy_(rope(k, cos, sin))
             v_cache.narrow(2, col, 1).copy_(v)
-            a = attend(_rope(q, cos, sin), k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), bias)  # [b,Hkv,G,D]
+            a = attend(rope(q, cos, sin), k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), bias)  # [b,Hkv,G,D]
             h = h + F.linear(a.reshape(b, -1), *layer.o)
-            x = _rms(h, layer.post_norm, layer.post_eps)
+            x = rms_norm(h, layer.post_norm, layer.post_eps)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
-        return F.linear(_rms(h, self.final_norm, self.final_eps), *self.head)
+        return F.linear(rms_norm(h, self.final_norm, self.final_eps), *self.head)
 
     def _native_step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         """`step` as one call of the compiled CPU step (same values to float32 rounding)."""

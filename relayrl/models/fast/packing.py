@@ -1,8 +1,9 @@
-"""Which tokens of a right-padded batch a selective forward must compute, each computed once.
+"""Packing plans for the full-sequence passes: which tokens of a right-padded batch to compute, and where they sit.
 
-`SharedPacking` serves `fast_forward.selected_hidden_states`: the caller names the positions whose final hidden state
-it needs (e.g. the positions that predict a loss-carrying token), and the packing keeps exactly the work that feeds
-them, with every token's result unchanged:
+`PaddedPacking` (`forward.backbone_hidden_states`) keeps every real token and drops the padding. `SharedPacking`
+(`forward.selected_hidden_states`) computes each needed token once: the caller names the positions whose final
+hidden state it needs (e.g. the positions that predict a loss-carrying token), and the packing keeps exactly the
+work that feeds them, with every token's result unchanged:
 
 * Truncation: a causal model's state at position t depends on positions <= t only, so each row is cut after its last
   selected position (a row's last token never predicts anything; neither do loss-free trailing tokens).
@@ -24,6 +25,34 @@ from __future__ import annotations
 import torch
 
 
+class PaddedPacking:
+    """Where the N real tokens of a right-padded [B, S] batch sit, to move tensors between [N, ...] and [B, S, ...]."""
+
+    def __init__(self, input_lengths: torch.Tensor, batch: int, seq: int, device: torch.device) -> None:
+        self.batch, self.seq = batch, seq
+        lengths = input_lengths.to(device).clamp(1, seq)  # [B]
+        cols = torch.arange(seq, device=device)  # [S]
+        valid = cols[None, :] < lengths[:, None]  # [B, S]
+        self.index: torch.Tensor | None = None  # [N] flat b*S+t of the real tokens; None when nothing is padding
+        if bool(valid.all()):
+            self.positions = cols.repeat(batch)  # [N] position id of each packed token
+        else:
+            self.index = valid.view(-1).nonzero().squeeze(1)
+            self.positions = self.index % seq
+        self.num_tokens = int(self.positions.shape[0])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] -> [N, ...]."""
+        flat = x.reshape(self.batch * self.seq, *x.shape[2:])
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, S, ...] with zeros at padding."""
+        if self.index is not None:
+            x = x.new_zeros(self.batch * self.seq, *x.shape[1:]).index_copy(0, self.index, x)
+        return x.view(self.batch, self.seq, *x.shape[1:])
+
+
 class SharedPacking:
     """Kept and distinct tokens of right-padded `input_ids` [B, S] for the positions `select` [B, S] (bool)."""
 
@@ -38,7 +67,7 @@ class SharedPacking:
         self.batch, self.seq = batch, max(int(kept.max()) if batch else 0, 1)
         s = self.seq
         ids, keep = input_ids[:, :s], cols[None, :s] < kept[:, None]  # [B, S'] each
-        owner = _prefix_owners(ids, kept)  # [B, S'] lowest row that computes the same token (itself if none lower)
+        owner = prefix_owners(ids, kept)  # [B, S'] lowest row that computes the same token (itself if none lower)
         rows = torch.arange(batch, device=device)
         distinct = keep & (owner == rows[:, None])  # [B, S'] tokens computed here
         flat_distinct = distinct.view(-1)
@@ -67,7 +96,7 @@ class SharedPacking:
 COMPARE_BLOCK_ELEMENTS = 1 << 24
 
 
-def _prefix_owners(ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def prefix_owners(ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """owner[b, t] = the lowest row o with ids[o, :t+1] == ids[b, :t+1] and kept[o] > t (b itself when t < kept[b]).
 
     ids [B, S'], kept [B]. Row o can serve row b at position t exactly when r[b, o] = min(lcp(b, o), kept[o]) > t,

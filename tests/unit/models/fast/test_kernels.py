@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from relayrl.config import GenerationConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.generation import cpu_kernels
-from relayrl.models.generation.fast_decoder import FastDecoder
+from relayrl.models.fast import kernels
+from relayrl.models.fast.decoder import FastDecoder
+from relayrl.models.fast.forward import selected_hidden_states
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.tiny import build_tiny_qwen2
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not HAVE_TOOLCHAIN, reason="no C++ compiler / ni
 
 
 def test_the_kernel_library_builds_and_loads_here() -> None:
-    assert cpu_kernels.load_cpu_kernels()
+    assert kernels.load_cpu_kernels()
 
 
 def _sharp(model: torch.nn.Module) -> torch.nn.Module:
@@ -144,14 +145,14 @@ def test_models_outside_the_compiled_step_use_pytorch_ops() -> None:
 
 def test_switched_off_or_unbuildable_falls_back_with_one_line_warning(monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("RELAYRL_CPU_KERNELS", "0")
-    assert cpu_kernels._load() is False
+    assert kernels.build_and_load() is False
     monkeypatch.setenv("RELAYRL_CPU_KERNELS", "1")
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this source does not compile\n")
-    monkeypatch.setattr(cpu_kernels, "_SOURCE", broken)
+    monkeypatch.setattr(kernels, "SOURCE", broken)
     monkeypatch.setenv("RELAYRL_KERNEL_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
-        assert cpu_kernels._load() is False
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.build_and_load() is False
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "using PyTorch ops" in messages[0] and "\n" not in messages[0]
 
@@ -178,16 +179,15 @@ def test_native_sampler_draws_the_same_tokens_as_the_pytorch_sampler() -> None:
 
 @pytest.mark.parametrize("shape", [(37, 64), (11, 3, 24)])
 def test_native_rms_norm_forward_and_backward_match_pytorch(shape: tuple[int, ...]) -> None:
-    from relayrl.models.generation.fast_decoder import _rms, rms_norm
-
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(shape, generator=gen) * torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen) * 3
     w0 = torch.randn(shape[-1], generator=gen)
     grad = torch.randn(shape, generator=gen)
+    assert kernels.load_cpu_kernels()
     outs = []
     for native in (False, True):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        y = rms_norm(x, w, 1e-6, native) if native else _rms(x, w, 1e-6)
+        y = kernels.rms_norm(x, w, 1e-6, native)
         y.backward(grad)
         outs.append((y.detach(), x.grad, w.grad))
     for ref, got in zip(*outs):
@@ -195,8 +195,6 @@ def test_native_rms_norm_forward_and_backward_match_pytorch(shape: tuple[int, ..
 
 
 def test_native_rope_forward_and_backward_match_pytorch() -> None:
-    from relayrl.models.generation.fast_decoder import _rope, rope
-
     gen = torch.Generator().manual_seed(0)
     n, heads, d = 29, 3, 16
     x0 = torch.randn(n, heads, d, generator=gen)
@@ -204,10 +202,11 @@ def test_native_rope_forward_and_backward_match_pytorch() -> None:
     cos = torch.cat([angles.cos(), angles.cos()], -1)  # [N, 1, D]
     sin = torch.cat([-angles.sin(), angles.sin()], -1)  # rotate_half's sign folded in, as FastDecoder builds it
     grad = torch.randn(n, heads, d, generator=gen)
+    assert kernels.load_cpu_kernels()
     outs = []
     for native in (False, True):
         x = x0.clone().requires_grad_()
-        y = rope(x, cos, sin, True) if native else _rope(x, cos, sin)
+        y = kernels.rope(x, cos, sin, native)
         y.backward(grad)
         outs.append((y.detach(), x.grad))
     for ref, got in zip(*outs):
@@ -217,8 +216,6 @@ def test_native_rope_forward_and_backward_match_pytorch() -> None:
 def test_policy_pass_with_native_ops_matches_pytorch_ops() -> None:
     """A training-style pass (selected positions, shared prefixes, backward into every parameter): hidden states and
     parameter gradients with the compiled RMSNorm/RoPE equal those of the PyTorch ops to float32 rounding."""
-    from relayrl.models.policy.fast_forward import selected_hidden_states
-
     model = _llama(True, False, 2).train()
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 50, (6, 14), generator=gen)

@@ -1,12 +1,12 @@
-// relayrl's CPU kernels (torch.ops.relayrl_cpu.*), loaded by relayrl/models/generation/cpu_kernels.py:
+// relayrl's CPU kernels (torch.ops.relayrl_cpu.*), loaded by relayrl/models/fast/kernels.py:
 //   decode_step         one KV-cache decode step of a llama-family model (FastDecoder, native=True)
 //   sample_inverse_cdf  one inverse-CDF draw per row (TokenSampler, native=True)
-//   rms_norm_fwd/bwd, rope  RMSNorm and RoPE of the full-sequence passes, forward and backward (fast_forward)
+//   rms_norm_fwd/bwd, rope  RMSNorm and RoPE of the full-sequence passes, forward and backward (fast.forward)
 //
 // Why: at the sizes CPU RL runs at (hidden 128-1024, 8-64 rows), a decode step through PyTorch ops is ~400 ATen
 // calls, and their dispatch costs more than the arithmetic. Here the matrix products stay ATen/MKL calls (seven per
 // layer) and everything between them (RMSNorm, RoPE, the KV-cache write, attention over the cache, residual adds)
-// runs as plain loops over contiguous float32 rows. Values match the PyTorch formulation (fast_decoder.FastDecoder)
+// runs as plain loops over contiguous float32 rows. Values match the PyTorch formulation (fast.decoder.FastDecoder)
 // to float32 rounding; FastDecoder falls back to it whenever this library is unavailable.
 //
 // Layouts (all float32, contiguous): h [b, H]; k/v caches [b, Hkv, T, D]; cos / signed_sin tables [T_pos, D];
@@ -210,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& probs_in
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// RMSNorm and RoPE of the full-sequence passes (fast_forward), forward and backward, on packed rows.
+// RMSNorm and RoPE of the full-sequence passes (fast.forward), forward and backward, on packed rows.
 
 // y = w * x * inv, inv[r] = 1 / sqrt(mean(x[r]^2) + eps); x [rows, n]. Returns (y, inv [rows]) (inv for backward).
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& w, double eps) {
@@ -262,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& g_in, const at
 }
 
 // RoPE on x [rows, heads, d] with per-row tables cos / signed_sin [rows, d]: y = x * cos + roll(x, d/2) * signed_sin
-// (fast_decoder._rope). With `transpose`, the adjoint: y[j] = x[j] * cos[j] + x[j'] * signed_sin[j'], j' = (j+d/2) % d,
+// (fast.kernels.rope). With `transpose`, the adjoint: y[j] = x[j] * cos[j] + x[j'] * signed_sin[j'], j' = (j+d/2) % d,
 // which is the gradient of the forward map.
 at::Tensor rope_rows(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& ssin, bool transpose) {
   at::Tensor y = x_in.contiguous().clone();

@@ -28,91 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from relayrl.models.generation.cpu_kernels import load_cpu_kernels
-from relayrl.models.generation.fast_decoder import (
-    FAST_MODEL_TYPES,
-    STATIC_ROPE_TYPES,
-    _Layer,
-    _read_layer,
-    rms_norm,
-    rope,
-)
-from relayrl.models.policy.packing import SharedPacking
+from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
+from relayrl.models.fast.packing import PaddedPacking, SharedPacking
+from relayrl.models.fast.support import Layer, backbone_of, fast_path_unsupported, input_grads_hooked, read_layer
 
 
-def backbone_of(model: nn.Module) -> Any:
-    """The transformer stack: `model.model` for a causal LM, the module itself for a bare backbone."""
-    return model if hasattr(model, "layers") else getattr(model, "model", None)
-
-
-def fast_forward_unsupported(model: nn.Module) -> str | None:
-    """None when the fast path reproduces `model`'s backbone forward exactly right now, else the reason it cannot.
-
-    Mirrors `fast_path_unsupported` (generation) minus the LM head, plus what only matters for full-sequence and
-    training passes: embedding options, module hooks and attention dropout in training mode.
-    """
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAST_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {sorted(FAST_MODEL_TYPES)}"
-    base = backbone_of(model)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "unexpected module layout (needs embed_tokens/layers/norm/rotary_emb)"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (only silu)"
-    rope_type = getattr(base.rotary_emb, "rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"rope_type {rope_type!r} depends on sequence length"
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "sliding_window", None) is not None and (
-        model_type == "mistral" or "sliding_attention" in layer_types
-    ):
-        return "sliding-window attention"
-    embed = base.embed_tokens
-    if type(embed) is not nn.Embedding or embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
-        return "embed_tokens is not a plain nn.Embedding"
-    linears = []
-    for layer in base.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) is not nn.Linear for m in linears):
-        return "projections are not plain nn.Linear (adapters or quantisation)"
-    if any(type(p.data) is not torch.Tensor for p in base.parameters()):
-        return "parameters are not plain tensors (sharded or quantised)"
-    if base.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0.0:
-        return "attention dropout in training mode"
-    if _has_hooks(base):
-        return "module hooks are registered (they would not fire)"
-    return None
-
-
-#: HF's own forward hook on the input embeddings (set by activation checkpointing): the fast path reproduces it.
-INPUT_GRADS_HOOK = "make_inputs_require_grads"
-
-
-def _has_hooks(base: nn.Module) -> bool:
-    """Whether any hook would run in HF's forward, other than HF's input-grads hook on the embeddings."""
-    from torch.nn.modules import module as module_lib
-
-    globals_ = (
-        module_lib._global_forward_hooks,
-        module_lib._global_forward_pre_hooks,
-        module_lib._global_backward_hooks,
-        module_lib._global_backward_pre_hooks,
-    )
-    if any(globals_):
-        return True
-    for m in base.modules():
-        forward_hooks = list(m._forward_hooks.values())
-        if m is base.embed_tokens:
-            forward_hooks = [h for h in forward_hooks if getattr(h, "__name__", None) != INPUT_GRADS_HOOK]
-        if forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return True
-    return False
-
-
-def _input_grads_hooked(embed: nn.Module) -> bool:
-    return any(getattr(h, "__name__", None) == INPUT_GRADS_HOOK for h in embed._forward_hooks.values())
+def use_fast_path(model: nn.Module, fast: bool | None) -> bool:
+    """Whether a full-sequence pass takes the fast path: `fast` None when it is exact, False never, True always
+    (ValueError with the reason when it cannot)."""
+    reason = None if fast is False else fast_path_unsupported(model)
+    if fast is True and reason is not None:
+        raise ValueError(f"fast=True but the fast backbone forward cannot run: {reason}")
+    return fast is not False and reason is None
 
 
 def backbone_hidden_states(
@@ -125,14 +52,11 @@ def backbone_hidden_states(
 ) -> torch.Tensor:
     """Final hidden states [B, S, H] of right-padded rows (after the final norm); fast path when it is exact.
 
-    `fast`: None picks the fast path whenever `fast_forward_unsupported` allows it, False forces HF, True raises
+    `fast`: None picks the fast path whenever `fast_path_unsupported` allows it, False forces HF, True raises
     when the fast path is unavailable. Values at positions >= a row's length are unspecified (zero when fast).
     `native`: on a float32 CPU model, the fast path runs RMSNorm and RoPE as relayrl's compiled kernels.
     """
-    reason = None if fast is False else fast_forward_unsupported(model)
-    if fast is True and reason is not None:
-        raise ValueError(f"fast=True but the fast backbone forward cannot run: {reason}")
-    if fast is False or reason is not None:
+    if not use_fast_path(model, fast):
         return hf_hidden_states(model, input_ids, input_lengths)
     return fast_hidden_states(model, input_ids, input_lengths, native=native)
 
@@ -151,34 +75,6 @@ def hf_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: t
     return out.last_hidden_state  # [B, S, H]
 
 
-class _Packing:
-    """Where the N real tokens of a right-padded [B, S] batch sit, to move tensors between [N, ...] and [B, S, ...]."""
-
-    def __init__(self, input_lengths: torch.Tensor, batch: int, seq: int, device: torch.device) -> None:
-        self.batch, self.seq = batch, seq
-        lengths = input_lengths.to(device).clamp(1, seq)  # [B]
-        cols = torch.arange(seq, device=device)  # [S]
-        valid = cols[None, :] < lengths[:, None]  # [B, S]
-        self.index: torch.Tensor | None = None  # [N] flat b*S+t of the real tokens; None when nothing is padding
-        if bool(valid.all()):
-            self.positions = cols.repeat(batch)  # [N] position id of each packed token
-        else:
-            self.index = valid.view(-1).nonzero().squeeze(1)
-            self.positions = self.index % seq
-        self.num_tokens = int(self.positions.shape[0])
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, S, ...] -> [N, ...]."""
-        flat = x.reshape(self.batch * self.seq, *x.shape[2:])
-        return flat if self.index is None else flat.index_select(0, self.index)
-
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [B, S, ...] with zeros at padding."""
-        if self.index is not None:
-            x = x.new_zeros(self.batch * self.seq, *x.shape[1:]).index_copy(0, self.index, x)
-        return x.view(self.batch, self.seq, *x.shape[1:])
-
-
 class _Backbone:
     """One pass's view of the model: its parameter tensors by role and the attention geometry."""
 
@@ -186,7 +82,7 @@ class _Backbone:
         attn0 = base.layers[0].self_attn
         embed = base.embed_tokens
         self.embed, self.padding_idx = embed.weight, embed.padding_idx  # [V, H]; padding_idx: no gradient
-        self.input_requires_grad = _input_grads_hooked(embed)
+        self.input_requires_grad = input_grads_hooked(embed)
         self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
         self.rotary = base.rotary_emb
         self.head_dim = int(attn0.head_dim)
@@ -195,7 +91,7 @@ class _Backbone:
         self.group = self.n_heads // self.n_kv
         self.scaling = float(attn0.scaling)
         modules = list(base.layers[: base.config.num_hidden_layers])
-        self.layers = [_read_layer(m) for m in modules]
+        self.layers = [read_layer(m) for m in modules]
         # RMSNorm and RoPE as compiled CPU kernels (forward and backward) for float32 CPU passes.
         self.native = native and self.embed.device.type == "cpu" and load_cpu_kernels()
         # HF checkpoints a decoder layer exactly when its flag is set and it is in training mode, through the
@@ -209,7 +105,7 @@ class _Backbone:
 
     def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
         batch, seq = input_ids.shape
-        pk = _Packing(input_lengths, batch, seq, input_ids.device)
+        pk = PaddedPacking(input_lengths, batch, seq, input_ids.device)
         h = self._run(input_ids, pk, None)  # [N, H]
         return pk.unpack(h)  # [B, S, H]
 
@@ -218,7 +114,9 @@ class _Backbone:
         h = self._run(input_ids[:, : pk.seq], pk, pk.query_index)  # [Q, H]
         return h.index_select(0, pk.output_index)  # [M, H]
 
-    def _run(self, input_ids: torch.Tensor, pk: Any, query: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self, input_ids: torch.Tensor, pk: PaddedPacking | SharedPacking, query: torch.Tensor | None
+    ) -> torch.Tensor:
         """Embeddings, decoder layers and final norm on packed tokens; the last layer's queries only at `query`."""
         grad = torch.is_grad_enabled()
         h = F.embedding(pk.pack(input_ids), self.embed, self.padding_idx)  # [N, H]
@@ -241,10 +139,10 @@ class _Backbone:
     def _layer(
         self,
         h: torch.Tensor,
-        layer: _Layer,
+        layer: Layer,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        pk: Any,
+        pk: PaddedPacking | SharedPacking,
         query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decoder layer on packed tokens h [N, H]: pre-norm attention and SwiGLU MLP, each with a residual.
@@ -265,7 +163,9 @@ class _Backbone:
         x = rms_norm(h, layer.post_norm, layer.post_eps, native)
         return h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: Any) -> torch.Tensor:
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: PaddedPacking | SharedPacking
+    ) -> torch.Tensor:
         """Causal attention of packed q [N, Hq, D], k/v [N, Hkv, D] within each row; returns [N, Hq * D]."""
         b, s = pk.batch, pk.seq
         qp = pk.unpack(q).transpose(1, 2)  # [B, Hq, S, D]
@@ -303,13 +203,11 @@ def selected_hidden_states(
 
     `fast` and `native` as in `backbone_hidden_states`; the HF path runs the whole batch and picks the positions.
     """
-    reason = None if fast is False else fast_forward_unsupported(model)
-    if fast is True and reason is not None:
-        raise ValueError(f"fast=True but the fast backbone forward cannot run: {reason}")
+    use_fast = use_fast_path(model, fast)
     batch, seq = input_ids.shape
     cols = torch.arange(seq, device=input_ids.device)  # [S]
     select = select.to(input_ids.device).bool() & (cols[None, :] < input_lengths.to(input_ids.device)[:, None])
-    if fast is False or reason is not None:
+    if not use_fast:
         return hf_hidden_states(model, input_ids, input_lengths)[select]  # [M, H]
     pk = SharedPacking(input_ids, input_lengths, select)
     backbone = _Backbone(backbone_of(model), native)

@@ -20,37 +20,19 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
+from relayrl.models.fast.forward import backbone_hidden_states, fast_hidden_states, hf_hidden_states
+from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.policy import logprobs as lp_ops
-from relayrl.models.policy.fast_forward import (
-    backbone_hidden_states,
-    fast_forward_unsupported,
-    fast_hidden_states,
-    hf_hidden_states,
-)
 from relayrl.models.tiny import build_tiny_qwen2
+from tests.unit.models.fast.builders import ATOL, VOCAB, llama_gqa, mistral, qwen2_bench, qwen3, randomize
 
-VOCAB = 103  # the character tokenizer's size
 LENGTHS = [7, 16, 1, 11, 16, 3]  # ragged, right-padded to 16; one full row and a one-token row
-ATOL = 1e-5
-
-
-def _randomize(model: PreTrainedModel, seed: int = 1) -> PreTrainedModel:
-    """Non-trivial norm weights and biases (HF initialises them to 1 and 0), so every parameter matters."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                base = 1.0 if "norm" in name else 0.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
 
 
 def _qwen2_shipped() -> PreTrainedModel:
-    return _randomize(build_tiny_qwen2(vocab_size=VOCAB))  # defaults: the shipped model's shape
+    return randomize(build_tiny_qwen2(vocab_size=VOCAB))  # defaults: the shipped model's shape
 
 
 def _shipped() -> PreTrainedModel:
@@ -62,73 +44,13 @@ def _shipped() -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-arith"), dtype=torch.float32).eval()
 
 
-def _qwen2_bench() -> PreTrainedModel:
-    return _randomize(build_tiny_qwen2(vocab_size=VOCAB, hidden_size=128, num_layers=2, seed=42))
-
-
-def _llama_gqa() -> PreTrainedModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        attention_bias=True,
-        mlp_bias=True,
-        pad_token_id=0,
-        rope_parameters={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8,
-            "rope_theta": 10000.0,
-        },
-    )
-    return _randomize(LlamaForCausalLM(config))
-
-
-def _qwen3() -> PreTrainedModel:
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return _randomize(Qwen3ForCausalLM(config))
-
-
-def _mistral() -> PreTrainedModel:
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        sliding_window=None,
-    )
-    return _randomize(MistralForCausalLM(config))
-
-
 SUPPORTED: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen2-shipped-shape": _qwen2_shipped,
     "tiny-arith": _shipped,
-    "qwen2-bench": _qwen2_bench,
-    "llama-gqa": _llama_gqa,
-    "qwen3-qknorm": _qwen3,
-    "mistral": _mistral,
+    "qwen2-bench": qwen2_bench,
+    "llama-gqa": llama_gqa,
+    "qwen3-qknorm": qwen3,
+    "mistral": mistral,
 }
 
 
@@ -155,7 +77,7 @@ def _scored(lens: torch.Tensor, seq: int) -> torch.Tensor:
 @pytest.fixture(scope="module", params=sorted(SUPPORTED))
 def model(request: pytest.FixtureRequest) -> PreTrainedModel:
     m = SUPPORTED[request.param]()
-    assert fast_forward_unsupported(m) is None
+    assert fast_path_unsupported(m) is None
     return m
 
 
@@ -209,7 +131,7 @@ def test_gradients_match_hf(model: PreTrainedModel, checkpointing: str | None) -
     m = copy.deepcopy(model).train()
     if checkpointing is not None:
         m.activation_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
-        assert fast_forward_unsupported(m) is None  # HF's input-grads hook on the embeddings is reproduced
+        assert fast_path_unsupported(m) is None  # HF's input-grads hook on the embeddings is reproduced
     want = _grads(m, hf_hidden_states)
     got = _grads(m, functools.partial(backbone_hidden_states, fast=True))
     assert set(got) == {name for name, _ in m.named_parameters()}  # every parameter receives a gradient
@@ -266,7 +188,7 @@ def test_bf16_autocast_matches_hf_under_autocast(name: str) -> None:
 
 
 def test_bf16_weights_match_hf() -> None:
-    model = _qwen3().bfloat16()
+    model = qwen3().bfloat16()
     ids, lens, real = _batch()
     with torch.no_grad():
         got, want = fast_hidden_states(model, ids, lens), hf_hidden_states(model, ids, lens)
@@ -345,7 +267,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[], PreTrainedModel], str]] = {
 def test_unsupported_models_fall_back_to_hf(name: str) -> None:
     build, why = UNSUPPORTED[name]
     model = build()
-    reason = fast_forward_unsupported(model)
+    reason = fast_path_unsupported(model)
     assert reason is not None and why in reason
     ids, lens, _ = _batch()
     torch.manual_seed(0)  # attention dropout draws random numbers: same seed, same draws on both calls
@@ -359,7 +281,7 @@ def test_unsupported_models_fall_back_to_hf(name: str) -> None:
 
 
 def test_fast_false_forces_hf() -> None:
-    model = _qwen2_bench()
+    model = qwen2_bench()
     ids, lens, real = _batch()
     with torch.no_grad():
         got = backbone_hidden_states(model, ids, lens, fast=False)
@@ -370,7 +292,7 @@ def test_fast_false_forces_hf() -> None:
 
 def test_dropout_model_in_eval_mode_uses_fast_path() -> None:
     model = _dropout_qwen2_training().eval()
-    assert fast_forward_unsupported(model) is None
+    assert fast_path_unsupported(model) is None
     ids, lens, real = _batch()
     with torch.no_grad():
         got, want = fast_hidden_states(model, ids, lens), hf_hidden_states(model, ids, lens)
@@ -380,8 +302,22 @@ def test_dropout_model_in_eval_mode_uses_fast_path() -> None:
 def test_bare_backbone_matches_hf() -> None:
     """A critic's backbone (no LM head, as the value model holds it) takes the same fast path."""
     backbone = SUPPORTED["qwen3-qknorm"]().get_decoder()
-    assert fast_forward_unsupported(backbone) is None
+    assert fast_path_unsupported(backbone) is None
     ids, lens, real = _batch()
     with torch.no_grad():
         got, want = backbone_hidden_states(backbone, ids, lens, fast=True), hf_hidden_states(backbone, ids, lens)
     torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=0)
+
+
+def test_the_lm_head_counts_only_for_generation() -> None:
+    """The full-sequence passes apply the head themselves, so an adapted head or a bare backbone does not stop them;
+    the decoder runs the head too (`lm_head=True`), so there both are refused."""
+    model = qwen2_bench()
+    head = model.lm_head
+    model.lm_head = _Adapter(head.in_features, head.out_features, bias=False)
+    assert fast_path_unsupported(model) is None
+    assert "nn.Linear" in (fast_path_unsupported(model, lm_head=True) or "")
+    backbone = model.get_decoder()
+    assert fast_path_unsupported(backbone) is None
+    assert "lm_head" in (fast_path_unsupported(backbone, lm_head=True) or "")
+    assert fast_path_unsupported(qwen2_bench(), lm_head=True) is None
