@@ -63,7 +63,7 @@ def policy_config(model_dir: Path, strategy: str) -> PolicyConfig:
             optimizer={"kwargs": {"lr": 2e-3}},
             data_parallel={"strategy": strategy},
             # PyTorch ops on the one-worker side too, so its rounding stays that close to HF's (the compiled
-            # RMSNorm/RoPE agree with them to float32 rounding, tested in test_cpu_kernels.py, but not bitwise).
+            # RMSNorm/RoPE agree with them to float32 rounding, tested in fast/test_kernels.py, but not bitwise).
             native_cpu_ops=False,
         )
     )
