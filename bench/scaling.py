@@ -99,7 +99,7 @@ def train_step(group: Any, data: BatchedDataDict, gbs: int, mbs: int) -> tuple[f
     global-batch loss)."""
     start = time.perf_counter()
     shards = data.shard_by_batch_size(group.world_size, batch_size=gbs)
-    results = group.run_sharded("timed_train", shards, gbs, mbs)
+    results = group.run_sharded(TimedPolicyWorker.timed_train, shards, gbs, mbs)
     return time.perf_counter() - start, max(r["cpu"] for r in results), results[0]["loss"]
 
 
@@ -125,7 +125,7 @@ def measure_throughput(groups: dict[int, Any], args: argparse.Namespace) -> tupl
 
 def measure_refit(group: Any, cfg: PolicyConfig, reps: int, buffer_bytes: int) -> dict[str, list[float]]:
     """Refit from a Ray rank to a model in this process, both transports; seconds per MiB, bit-exactness checked."""
-    live = group.run_rank0("state_dict_for_refit")
+    live = group.run_rank0(TimedPolicyWorker.state_dict_for_refit)
     info = refit.refit_info(live.items())
     mib = sum(t.numel() * t.element_size() for t in live.values()) / 2**20
     receiver = load_causal_lm(cfg)
@@ -134,20 +134,20 @@ def measure_refit(group: Any, cfg: PolicyConfig, reps: int, buffer_bytes: int) -
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    joined = run_all_async(group, "join_weight_group", "127.0.0.1", port, 2)
+    joined = run_all_async(group, TimedPolicyWorker.join_weight_group, "127.0.0.1", port, 2)
     weight_group = refit.WeightUpdateGroup("127.0.0.1", port, 1, 2)
     joined.result()
     for rep in range(reps):
         address = refit.ipc_address(f"bench-{os.getpid()}-{rep}")
         start = time.perf_counter()
-        sent = run_all_async(group, "send_ipc", address, buffer_bytes)
+        sent = run_all_async(group, TimedPolicyWorker.send_ipc, address, buffer_bytes)
         ok = refit.receive_weights_via_ipc_zmq(address, info, load)
         sent.result()
         out["zmq_ipc"].append((time.perf_counter() - start) / mib)
         assert ok and all(torch.equal(v, receiver.state_dict()[k]) for k, v in live.items()), "ZMQ refit not exact"
         receiver.load_state_dict(load_causal_lm(cfg).state_dict())  # stale again
         start = time.perf_counter()
-        sent = run_all_async(group, "send_collective")
+        sent = run_all_async(group, TimedPolicyWorker.send_collective)
         weight_group.receive_weights(info, load)
         sent.result()
         out["collective"].append((time.perf_counter() - start) / mib)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -68,7 +68,7 @@ def build_data_plane_client(
 
 
 class _WorkerGroup(Protocol):
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+    def run_all(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
     def shutdown(self) -> bool: ...
 
@@ -83,8 +83,10 @@ def connect_driver_and_workers(group: _WorkerGroup, cfg: DataPlaneConfig, *, boo
     except BaseException:
         group.shutdown()
         raise
+    from relayrl.data_plane.worker import DataPlaneWorkerMixin  # here: the worker module imports this one
+
     try:
-        group.run_all("setup_data_plane", cfg)
+        group.run_all(DataPlaneWorkerMixin.setup_data_plane, cfg)
     except BaseException:
         client.close()
         group.shutdown()

@@ -26,7 +26,7 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
 
     def check_consistent(self) -> int:
         """Return the common row count, or raise ValueError naming the keys whose lengths differ."""
-        lengths = {k: _rows(v) for k, v in self.items() if _rows(v) is not None}
+        lengths = {k: n for k, n in ((k, _rows(v)) for k, v in self.items()) if n is not None}
         if not lengths:
             return 0
         distinct = set(lengths.values())

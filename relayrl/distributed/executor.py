@@ -10,11 +10,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from relayrl.config import ClusterConfig
-from relayrl.distributed.interfaces import WorkerGroup
+from relayrl.distributed.interfaces import WorkerGroup, method_name
 from relayrl.distributed.local import LocalWorkerGroup
+
+W = TypeVar("W")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class PendingResults(Protocol[R]):
+    """A call already started on every rank (`run_all_async`): `result()` waits and returns `run_all`'s list."""
+
+    def result(self, timeout: float | None = None) -> list[R]: ...
 
 
 def world_size(cluster: ClusterConfig) -> int:
@@ -22,7 +32,7 @@ def world_size(cluster: ClusterConfig) -> int:
     return cluster.num_nodes * cluster.workers_per_node
 
 
-def build_worker_group(worker_cls: Callable[..., Any], cluster: ClusterConfig, **init_kwargs: Any) -> WorkerGroup[Any]:
+def build_worker_group(worker_cls: Callable[..., W], cluster: ClusterConfig, **init_kwargs: Any) -> WorkerGroup[W]:
     """One worker per rank, built as `worker_cls(rank=r, comm=<collective>, **init_kwargs)` on every rank.
 
     `local`: workers are objects in this process (threads + an in-process collective when there are several).
@@ -44,17 +54,21 @@ def build_worker_group(worker_cls: Callable[..., Any], cluster: ClusterConfig, *
     raise ValueError(f"cluster.executor must be 'local' or 'ray', got {cluster.executor!r}")
 
 
-def run_all_async(group: WorkerGroup[Any], method: str, *args: Any, **kwargs: Any) -> Any:
+def run_all_async(
+    group: WorkerGroup[W], method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+) -> PendingResults[R]:
     """Start `method` on every worker without waiting; the returned future's `result()` is `run_all`'s list.
 
     Needed where the driver must join the same collective as the workers (weight-update group set-up, collective
     refit, ZMQ streaming to a receiver the driver runs): a Ray group starts its actors' calls; any other group
     runs `run_all` in a background thread.
     """
+    name = method_name(method)  # a bad method fails here, in the caller's thread
     start = getattr(group, "run_all_async", None)
     if callable(start):
-        return start(method, *args, **kwargs)
-    future: Future[list[Any]] = Future()
+        pending: PendingResults[R] = start(method, *args, **kwargs)
+        return pending
+    future: Future[list[R]] = Future()
 
     def target() -> None:
         try:
@@ -62,5 +76,5 @@ def run_all_async(group: WorkerGroup[Any], method: str, *args: Any, **kwargs: An
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             future.set_exception(exc)
 
-    threading.Thread(target=target, name=f"run_all_async-{method}", daemon=True).start()
+    threading.Thread(target=target, name=f"run_all_async-{name}", daemon=True).start()
     return future

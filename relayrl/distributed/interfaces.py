@@ -4,7 +4,9 @@ Two small protocols keep the façade ignorant of where workers live:
 
 * `WorkerGroup`: how the driver calls every worker (same arguments, or one data shard each) and collects results.
   The local executor hosts workers as plain objects in the driver process; a Ray group hosts them as actors. Both
-  block until every worker has answered and return results in rank order.
+  block until every worker has answered and return results in rank order. Callers name the worker method by
+  reference (`group.run_sharded(PolicyWorker.train, shards, ...)`), so mypy checks the arguments against the
+  method's signature and types the results; only the Ray transport sends the method's name over the wire.
 * `Collective`: how workers of one data-parallel group talk to each other (sum gradients and global counts,
   broadcast initial weights, gather small python objects). On the local executor it is a no-op for one worker or a
   thread barrier for several; under Ray it wraps a torch.distributed process group.
@@ -12,12 +14,15 @@ Two small protocols keep the façade ignorant of where workers live:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 W_co = TypeVar("W_co", covariant=True)
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
 
 
 @runtime_checkable
@@ -42,19 +47,35 @@ class Collective(Protocol):
 
 @runtime_checkable
 class WorkerGroup(Protocol[W_co]):
-    """A fixed set of workers, one per data-parallel rank, driven by method name."""
+    """A fixed set of workers of type `W_co`, one per data-parallel rank, driven by method reference.
+
+    `method` is the unbound worker method (`Worker.method`); it is looked up on each worker by name, so a
+    subclass's override runs, as a plain method call would.
+    """
 
     @property
     def world_size(self) -> int: ...
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method(*args, **kwargs)` on every worker; results in rank order."""
+    def run_all(self, method: Callable[Concatenate[W_co, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Call `worker.method(*args, **kwargs)` on every worker; results in rank order."""
 
-    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method(shards[r], *args, **kwargs)` on worker r (one shard per worker); results in rank order."""
+    def run_sharded(
+        self, method: Callable[Concatenate[W_co, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        """Call `worker_r.method(shards[r], *args, **kwargs)` (one shard per worker); results in rank order."""
 
-    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_rank0(self, method: Callable[Concatenate[W_co, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Call `method` on rank 0 only (checkpoint writes, refit metadata)."""
 
     def shutdown(self) -> bool:
         """Release the workers; idempotent."""
+
+
+def method_name(method: Callable[..., Any]) -> str:
+    """The attribute name a worker method is dispatched by; a string is refused (pass `Worker.method` itself)."""
+    if isinstance(method, str):
+        raise TypeError(f"worker methods are passed by reference (e.g. Worker.{method}), not by name {method!r}")
+    name = getattr(method, "__name__", None)
+    if not callable(method) or not isinstance(name, str):
+        raise TypeError(f"expected a worker method such as Worker.train, got {method!r}")
+    return name

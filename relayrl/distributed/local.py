@@ -11,11 +11,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch
 
+from relayrl.distributed.interfaces import method_name
+
 W = TypeVar("W")
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
 
 
 class SingleProcessCollective:
@@ -130,16 +135,18 @@ class LocalWorkerGroup(Generic[W]):
     def world_size(self) -> int:
         return len(self._comms)
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         return self._parallel([self._bound(w, method, *args, **kwargs) for w in self._live_workers()])
 
-    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def run_sharded(
+        self, method: Callable[Concatenate[W, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
         workers = self._live_workers()
         if len(shards) != len(workers):
             raise ValueError(f"run_sharded got {len(shards)} shards for {len(workers)} workers")
         return self._parallel([self._bound(w, method, s, *args, **kwargs) for w, s in zip(workers, shards)])
 
-    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return self._bound(self._live_workers()[0], method, *args, **kwargs)()
 
     def shutdown(self) -> bool:
@@ -164,13 +171,15 @@ class LocalWorkerGroup(Generic[W]):
         return self._workers
 
     @staticmethod
-    def _bound(worker: W, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        fn = getattr(worker, method, None)
+    def _bound(worker: W, method: Callable[..., R], *args: Any, **kwargs: Any) -> Callable[[], R]:
+        """`worker.<method name>(*args, **kwargs)` as a thunk: looked up by name, so an override runs."""
+        name = method_name(method)
+        fn = getattr(worker, name, None)
         if not callable(fn):
-            raise AttributeError(f"{type(worker).__name__} has no method {method!r}")
+            raise AttributeError(f"{type(worker).__name__} has no method {name!r}")
         return lambda: fn(*args, **kwargs)
 
-    def _parallel(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    def _parallel(self, calls: Sequence[Callable[[], R]]) -> list[R]:
         """Run one call per rank; with several ranks each in its own thread. Re-raises the first real error."""
         if len(calls) == 1:
             return [calls[0]()]

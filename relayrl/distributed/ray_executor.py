@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 import ray.cloudpickle as cloudpickle
@@ -31,8 +31,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import ClusterConfig
 from relayrl.distributed.errors import WorkerDiedError
+from relayrl.distributed.interfaces import method_name
 
 W = TypeVar("W")
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
 
 # Driver env vars forwarded to every rank (a joined cluster's workers do not inherit the driver's environment).
 _FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "RELAYRL_", "CUBLAS_", "NCCL_", "GLOO_", "TORCH_")
@@ -122,19 +126,21 @@ class _RankHost:
         self._worker = worker_cls(rank=self._rank, comm=self._comm, **kwargs)
         return os.getpid()
 
-    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        fn = getattr(self._worker, method, None)
+    # The group sends a method's name (the transport detail of dispatch by reference; functions of classes
+    # defined in a test or `__main__` would not unpickle here) and the actor looks it up on its worker.
+    def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fn = getattr(self._worker, name, None)
         if not callable(fn):
-            raise AttributeError(f"{type(self._worker).__name__} has no method {method!r}")
+            raise AttributeError(f"{type(self._worker).__name__} has no method {name!r}")
         return fn(*args, **kwargs)
 
-    def call_common(self, method: str, common: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+    def call_common(self, name: str, common: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         args, kwargs = common
-        return self.call(method, args, kwargs)
+        return self.call(name, args, kwargs)
 
-    def call_sharded(self, method: str, shard: Any, common: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+    def call_sharded(self, name: str, shard: Any, common: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         args, kwargs = common
-        return self.call(method, (shard, *args), kwargs)
+        return self.call(name, (shard, *args), kwargs)
 
     def teardown(self) -> bool:
         """Let the worker release what it holds, then leave the process group."""
@@ -150,7 +156,7 @@ class _RankHost:
         return True
 
 
-class PendingCall:
+class PendingCall(Generic[R]):
     """Results of a call already running on every rank; `wait()` collects them like `run_all` would."""
 
     def __init__(self, group: RayWorkerGroup[Any], refs: list[tuple[int, Any]], what: str) -> None:
@@ -158,11 +164,11 @@ class PendingCall:
         self._refs = refs
         self._what = what
 
-    def wait(self) -> list[Any]:
+    def wait(self) -> list[R]:
         """Results in rank order; same failure handling (dead rank named, stuck group torn down) as `run_all`."""
         return self._group._gather(self._refs, self._what, self._group._call_timeout_s)
 
-    def result(self, timeout: float | None = None) -> list[Any]:
+    def result(self, timeout: float | None = None) -> list[R]:
         """`concurrent.futures.Future`-style alias of `wait` (the group's own call timeout applies)."""
         return self.wait()
 
@@ -259,29 +265,38 @@ class RayWorkerGroup(Generic[W]):
     def world_size(self) -> int:
         return self._world
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        name = method_name(method)
         actors = self._live_actors()
         common = ray.put((args, kwargs))  # serialised once, not once per rank
-        refs = [(r, a.call_common.remote(method, common)) for r, a in enumerate(actors)]
-        return self._gather(refs, method, self._call_timeout_s)
+        refs = [(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)]
+        return self._gather(refs, name, self._call_timeout_s)
 
-    def run_sharded(self, method: str, shards: Sequence[Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def run_sharded(
+        self, method: Callable[Concatenate[W, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        name = method_name(method)
         actors = self._live_actors()
         if len(shards) != len(actors):
             raise ValueError(f"run_sharded got {len(shards)} shards for {len(actors)} workers")
         common = ray.put((args, kwargs))
-        refs = [(r, a.call_sharded.remote(method, s, common)) for r, (a, s) in enumerate(zip(actors, shards))]
-        return self._gather(refs, method, self._call_timeout_s)
+        refs = [(r, a.call_sharded.remote(name, s, common)) for r, (a, s) in enumerate(zip(actors, shards))]
+        return self._gather(refs, name, self._call_timeout_s)
 
-    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+    def run_all_async(
+        self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> PendingCall[R]:
         """Start `method` on every rank and return at once (e.g. to join a collective the driver also joins)."""
+        name = method_name(method)
         actors = self._live_actors()
         common = ray.put((args, kwargs))
-        return PendingCall(self, [(r, a.call_common.remote(method, common)) for r, a in enumerate(actors)], method)
+        return PendingCall(self, [(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)], name)
 
-    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        name = method_name(method)
         actor = self._live_actors()[0]
-        return self._gather([(0, actor.call.remote(method, args, kwargs))], method, self._call_timeout_s)[0]
+        result: R = self._gather([(0, actor.call.remote(name, args, kwargs))], name, self._call_timeout_s)[0]
+        return result
 
     def shutdown(self) -> bool:
         self._teardown(graceful=True)

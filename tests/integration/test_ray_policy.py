@@ -1,11 +1,8 @@
 """Data-parallel policy training on the Ray executor (gloo) against one local worker with the same global batch,
 then refit of the trained weights from the Ray ranks to generation-side models in this process.
 
-`RayPolicy` is `Policy` with the changes proposed for `lm_policy.py` applied: its workers are built by
-`build_worker_group`, so on `cluster.executor="ray"` each rank is an actor whose worker talks to its peer through a
-`TorchDistCollective`, and the refit methods start the workers' calls without waiting. `RefitPolicyWorker` is
-`PolicyWorker` plus the refit methods proposed for `worker.py`. Everything else (sharding, reassembly, metric
-merging, the compute) is the library's own code.
+On `cluster.executor="ray"` each rank of `Policy` is an actor whose worker talks to its peer through a
+`TorchDistCollective`, and the refit methods start the workers' calls without waiting.
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ from relayrl.algorithms.loss_functions import ClippedPGLossFn
 from relayrl.config import ClippedPGLossConfig, ClusterConfig, PolicyConfig
 from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.distributed.executor import build_worker_group, run_all_async, world_size
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import PolicyWorker, load_causal_lm
-from relayrl.utils import device as dev
 
 ray = pytest.importorskip("ray")
 
@@ -36,73 +31,6 @@ pytestmark = pytest.mark.ray
 B, S = 8, 12
 LENGTHS = torch.tensor([12, 5, 7, 2, 12, 9, 3, 10])  # ragged, right-padded
 TOL = 1e-5
-
-
-class RefitPolicyWorker(PolicyWorker):
-    """`PolicyWorker` with the refit methods proposed for worker.py (same bodies)."""
-
-    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None) -> bool:
-        if kv_scales is not None:
-            raise ValueError("stream_weights_via_ipc_zmq: kv_scales must be None (send them with the collective refit)")
-        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        address = refit.ipc_address(refit.device_ipc_tag(self.device, local_rank))
-        dtype = dev.precision_dtype(self.cfg.precision)
-        refit.stream_weights_via_ipc_zmq(self.model.state_dict().items(), address, buffer_size_bytes, dtype=dtype)
-        return True
-
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
-        if not 0 <= self.rank < train_world_size < world_size:
-            raise ValueError(
-                f"init_collective: training rank {self.rank} needs 0 <= rank < train_world_size={train_world_size} "
-                f"< world_size={world_size}"
-            )
-        self._weight_group = refit.WeightUpdateGroup(ip, port, self.rank, world_size)
-        return True
-
-    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
-        group = getattr(self, "_weight_group", None)
-        if group is None:
-            raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
-        if self.rank == 0:
-            dtype = dev.precision_dtype(self.cfg.precision)
-            group.send_weights(self.model.state_dict().items(), dtype=dtype, kv_scales=kv_scales)
-        else:  # a data-parallel replica already holds these weights: receive and drop
-            group.receive_weights(self.prepare_refit_info(), None)
-        return True
-
-
-class RayPolicy(Policy):
-    """`Policy` whose worker group comes from `build_worker_group` (the change proposed for lm_policy.py)."""
-
-    def __init__(self, config: PolicyConfig, tokenizer: Any, *, cluster: ClusterConfig) -> None:
-        self.cfg = config
-        self.cluster = cluster
-        self.tokenizer = tokenizer
-        self.has_reference = True
-        self.dp_size = world_size(cluster)
-        self._group = build_worker_group(
-            RefitPolicyWorker,
-            cluster,
-            config=config,
-            tokenizer=tokenizer,
-            device=cluster.device,
-            init_reference_model=True,
-            init_optimizer=True,
-            weights_path=None,
-            optimizer_path=None,
-            max_num_steps=None,
-        )
-
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
-        return [run_all_async(self._group, "init_collective", ip, port, world_size, train_world_size=train_world_size)]
-
-    def stream_weights_via_ipc_zmq(
-        self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
-    ) -> list[Any]:
-        return [run_all_async(self._group, "stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales)]
-
-    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[Any]:
-        return [run_all_async(self._group, "broadcast_weights_for_collective", kv_scales)]
 
 
 def make_config(model_dir: Path) -> PolicyConfig:
@@ -174,7 +102,7 @@ def assert_bit_identical(live: dict[str, torch.Tensor], model: torch.nn.Module) 
     assert all(torch.equal(v, got[k]) for k, v in live.items())
 
 
-def check_refit(policy: RayPolicy, cfg: PolicyConfig) -> None:
+def check_refit(policy: Policy, cfg: PolicyConfig) -> None:
     """Both refit methods, from the Ray ranks to models in this process, after training: bit-identical weights."""
     live = policy.state_dict_for_refit()
     info = policy.prepare_refit_info()
@@ -222,7 +150,7 @@ def test_two_ray_workers_match_one_local_worker(
     local.shutdown()
 
     cluster = ClusterConfig(executor="ray", workers_per_node=2, torch_num_threads=1)
-    policy = RayPolicy(cfg, char_tokenizer, cluster=cluster)
+    policy = Policy(cfg, char_tokenizer, cluster=cluster)
     group = policy._group
     try:
         assert group.world_size == 2 and policy.dp_size == 2

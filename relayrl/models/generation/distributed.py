@@ -108,7 +108,7 @@ class DistributedGeneration(GenerationInterface):
                 raise ValueError(
                     f"colocated generation needs one worker per policy rank: {self._group.world_size} vs {train_world}"
                 )
-            self._group.run_all("prepare_refit_info", policy.prepare_refit_info())
+            self._group.run_all(GenerationWorker.prepare_refit_info, policy.prepare_refit_info())
             if not self.colocated:
                 self._join_weight_group(train_world)
         except BaseException:
@@ -120,7 +120,9 @@ class DistributedGeneration(GenerationInterface):
         ip, port = _rank0_endpoint(self._policy)
         world = train_world + self._group.world_size
         (training,) = self._policy.init_collective(ip, port, world, train_world_size=train_world)
-        joined = run_all_async(self._group, "init_collective", ip, port, world, train_world_size=train_world)
+        joined = run_all_async(
+            self._group, GenerationWorker.init_collective, ip, port, world, train_world_size=train_world
+        )
         training.result()
         joined.result()
 
@@ -166,7 +168,7 @@ class DistributedGeneration(GenerationInterface):
         version = int(self._policy.weights_version)
         if version != self._synced_version:
             self._refit()
-            self._group.run_all("set_weights_version", version)
+            self._group.run_all(GenerationWorker.set_weights_version, version)
             self._synced_version = version
         return True
 
@@ -174,14 +176,14 @@ class DistributedGeneration(GenerationInterface):
         start = time.perf_counter()
         if self.colocated:
             self._policy.offload_before_refit()
-            receiving = run_all_async(self._group, "update_weights_via_ipc_zmq")
+            receiving = run_all_async(self._group, GenerationWorker.update_weights_via_ipc_zmq)
             (sending,) = self._policy.stream_weights_via_ipc_zmq(self.refit_buffer_bytes)
             sending.result()
             received = receiving.result()
             self._policy.offload_after_refit()
         else:
             (sending,) = self._policy.broadcast_weights_for_collective()
-            receiving = run_all_async(self._group, "update_weights_from_collective")
+            receiving = run_all_async(self._group, GenerationWorker.update_weights_from_collective)
             sending.result()
             received = receiving.result()
         seconds = time.perf_counter() - start
@@ -197,7 +199,7 @@ class DistributedGeneration(GenerationInterface):
         self._totals["bytes"] += nbytes
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        self._group.run_all("finish_generation")
+        self._group.run_all(GenerationWorker.finish_generation)
         return True
 
     def shutdown(self) -> bool:
@@ -207,7 +209,7 @@ class DistributedGeneration(GenerationInterface):
 
     def worker_state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """Every worker's weights (tests compare them with the policy's after a refit)."""
-        return self._group.run_all("state_dict")
+        return self._group.run_all(GenerationWorker.state_dict)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -233,7 +235,7 @@ class DistributedGeneration(GenerationInterface):
                 {k: v[start:end].clone() if isinstance(v, torch.Tensor) else v[start:end] for k, v in data.items()}
             )  # clones: a view would ship the whole batch's storage to a remote worker
             shards.append((rows, None if uniforms is None else uniforms[start:end].clone()))
-        parts = self._group.run_sharded("generate_shard", shards, greedy)
+        parts = self._group.run_sharded(GenerationWorker.generate_shard, shards, greedy)
         return _merge(parts, width + max_new, self.pad_token_id)
 
     # ------------------------------------------------------------------ a copy for a remote rollout actor

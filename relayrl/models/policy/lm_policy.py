@@ -126,15 +126,15 @@ class Policy(ColocatablePolicyInterface):
         """The device rank 0 computes on (where a colocated engine should run)."""
         if isinstance(self._group, LocalWorkerGroup):
             return self.generation_source.device
-        return torch.device(self._group.run_rank0("get_device"))
+        return torch.device(self._group.run_rank0(PolicyWorker.get_device))
 
     @property
     def weights_version(self) -> int:
-        return self._group.run_rank0("get_weights_version")
+        return self._group.run_rank0(PolicyWorker.get_weights_version)
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
         """The live state dict of rank 0 (tensors share storage with the model: no copy)."""
-        return self._group.run_rank0("state_dict_for_refit")
+        return self._group.run_rank0(PolicyWorker.state_dict_for_refit)
 
     # ------------------------------------------------------------------ logprob-style passes
     def _shards(self, data: BatchedDataDict) -> list[BatchedDataDict]:
@@ -143,7 +143,7 @@ class Policy(ColocatablePolicyInterface):
     def get_logprobs(self, data: BatchedDataDict, timer: Any = None) -> BatchedDataDict:
         check_batch(data, _LOGPROB_KEYS, "get_logprobs")
         with _timed(timer, "get_logprobs"):
-            parts = self._group.run_sharded("get_logprobs", self._shards(data), self.logprob_batch_size)
+            parts = self._group.run_sharded(PolicyWorker.get_logprobs, self._shards(data), self.logprob_batch_size)
         return BatchedDataDict(logprobs=torch.cat([p["logprobs"] for p in parts]))  # [B, S]
 
     def get_reference_policy_logprobs(
@@ -154,7 +154,7 @@ class Policy(ColocatablePolicyInterface):
         check_batch(data, _LOGPROB_KEYS, "get_reference_policy_logprobs")
         mbs = micro_batch_size or self.logprob_batch_size
         with _timed(timer, "get_reference_policy_logprobs"):
-            parts = self._group.run_sharded("get_reference_policy_logprobs", self._shards(data), mbs)
+            parts = self._group.run_sharded(PolicyWorker.get_reference_policy_logprobs, self._shards(data), mbs)
         return BatchedDataDict(reference_logprobs=torch.cat([p["reference_logprobs"] for p in parts]))  # [B, S]
 
     def get_topk_logits(
@@ -165,7 +165,7 @@ class Policy(ColocatablePolicyInterface):
             raise ValueError(f"get_topk_logits: k must be a positive int, got {k!r}")
         mbs = micro_batch_size or self.logprob_batch_size
         with _timed(timer, "get_topk_logits"):
-            parts = self._group.run_sharded("get_topk_logits", self._shards(data), k, mbs)
+            parts = self._group.run_sharded(PolicyWorker.get_topk_logits, self._shards(data), k, mbs)
         return BatchedDataDict(
             topk_logits=torch.cat([p["topk_logits"] for p in parts]),  # [B, S-1, k]
             topk_indices=torch.cat([p["topk_indices"] for p in parts]),  # [B, S-1, k]
@@ -195,7 +195,7 @@ class Policy(ColocatablePolicyInterface):
             )
         shards: list[BatchedDataDict] = BatchedDataDict(data).shard_by_batch_size(self.dp_size, batch_size=gbs)
         with _timed(timer, "policy_training"):
-            results = self._group.run_sharded("train", shards, loss_fn, eval_mode, gbs, mbs)
+            results = self._group.run_sharded(PolicyWorker.train, shards, loss_fn, eval_mode, gbs, mbs)
         merged: dict[str, list[Any]] = {}
         for res in results:  # per-micro-batch partial sums from every rank add up to the global values
             for key, values in res["all_mb_metrics"].items():
@@ -218,29 +218,29 @@ class Policy(ColocatablePolicyInterface):
             raise ValueError(f"calibrate_qkv_fp8_scales: margin must be positive, got {margin}")
         mbs = micro_batch_size or self.logprob_batch_size
         results = self._group.run_sharded(
-            "calibrate_qkv_fp8_scales", self._shards(data), mbs, percentile, margin, include_q
+            PolicyWorker.calibrate_qkv_fp8_scales, self._shards(data), mbs, percentile, margin, include_q
         )
         return results[0]  # identical on every rank after the cross-rank max
 
     # ------------------------------------------------------------------ memory phases
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        self._group.run_all("prepare_for_training")
+        self._group.run_all(PolicyWorker.prepare_for_training)
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        self._group.run_all("finish_training")
+        self._group.run_all(PolicyWorker.finish_training)
 
     def prepare_for_lp_inference(self) -> None:
-        self._group.run_all("prepare_for_lp_inference")
+        self._group.run_all(PolicyWorker.prepare_for_lp_inference)
 
     def offload_before_refit(self) -> None:
-        self._group.run_all("offload_before_refit")
+        self._group.run_all(PolicyWorker.offload_before_refit)
 
     def offload_after_refit(self) -> None:
-        self._group.run_all("offload_after_refit")
+        self._group.run_all(PolicyWorker.offload_after_refit)
 
     # ------------------------------------------------------------------ weights in / out
     def prepare_refit_info(self) -> dict[str, Any] | None:
-        return self._group.run_rank0("prepare_refit_info")
+        return self._group.run_rank0(PolicyWorker.prepare_refit_info)
 
     def save_checkpoint(
         self,
@@ -252,11 +252,11 @@ class Policy(ColocatablePolicyInterface):
     ) -> None:
         """HF weights (+config) at weights_path; optimizer+scheduler state at optimizer_path; tokenizer too."""
         # every rank: fsdp2 gathers its sharded optimizer state collectively (rank 0 writes the files)
-        self._group.run_all("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
+        self._group.run_all(PolicyWorker.save_checkpoint, weights_path, optimizer_path, tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load saved weights (and optimizer state) into the live model; the reference model is left as it is."""
-        self._group.run_all("load_checkpoint", weights_path, optimizer_path)
+        self._group.run_all(PolicyWorker.load_checkpoint, weights_path, optimizer_path)
 
     def shutdown(self) -> bool:
         return self._group.shutdown()
@@ -265,12 +265,16 @@ class Policy(ColocatablePolicyInterface):
     # Each returns at once with one future (`.result()` -> per-rank results) so that the driver can run the
     # generation side's matching call concurrently (§5.8 / §5.9).
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
-        return [run_all_async(self._group, "init_collective", ip, port, world_size, train_world_size=train_world_size)]
+        return [
+            run_all_async(
+                self._group, PolicyWorker.init_collective, ip, port, world_size, train_world_size=train_world_size
+            )
+        ]
 
     def stream_weights_via_ipc_zmq(
         self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
     ) -> list[Any]:
-        return [run_all_async(self._group, "stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales)]
+        return [run_all_async(self._group, PolicyWorker.stream_weights_via_ipc_zmq, buffer_size_bytes, kv_scales)]
 
     def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[Any]:
-        return [run_all_async(self._group, "broadcast_weights_for_collective", kv_scales)]
+        return [run_all_async(self._group, PolicyWorker.broadcast_weights_for_collective, kv_scales)]

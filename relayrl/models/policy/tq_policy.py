@@ -12,7 +12,7 @@ on any key left behind (a leak is an error, not a warning).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from relayrl.data_plane.schema import (
     round_up,
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.interfaces import WorkerGroup
 from relayrl.models.policy.lm_policy import Policy, _timed
 from relayrl.models.policy.tq_worker import SEQ_ERROR_FIELDS, TQPolicyWorker
 from relayrl.models.policy.worker import PolicyWorker
@@ -67,6 +68,7 @@ class TQPolicy(Policy):
 
     #: Worker class `Policy` builds its worker group from.
     worker_cls: type[PolicyWorker] = TQPolicyWorker
+    _group: WorkerGroup[TQPolicyWorker]
 
     def __init__(
         self,
@@ -174,10 +176,10 @@ class TQPolicy(Policy):
         meta: KVBatchMeta,
         *,
         task_name: str,
-        worker_method: str,
+        worker_method: Callable[[TQPolicyWorker, KVBatchMeta, int | None], None],
         timer_prefix: str,
         timer: Any,
-        common_kwargs: dict[str, Any],
+        micro_batch_size: int,
     ) -> None:
         """Shard `meta` (log-prob seed fields only) over the DP ranks; each rank writes its result back."""
         _check_meta(meta, task_name)
@@ -189,20 +191,20 @@ class TQPolicy(Policy):
                 lp_meta, self.dp_size, batch_size=None, sequence_packing_args=packing, dynamic_batching_args=dynamic
             )
         with _timed(timer, f"{timer_prefix}/submit_futures"):
-            results = self._group.run_sharded(worker_method, shards, **common_kwargs)
+            results = self._group.run_sharded(worker_method, shards, micro_batch_size)
         unexpected = [r for r in results if r is not None]
         if unexpected:
-            raise RuntimeError(f"{worker_method} must write its result to the store and return None")
+            raise RuntimeError(f"{worker_method.__name__} must write its result to the store and return None")
 
     def get_logprobs_from_meta(self, meta: KVBatchMeta, micro_batch_size: int | None = None, timer: Any = None) -> None:
         """Policy log-probs of `meta`'s rows; they land in the store as `prev_logprobs`."""
         self._logprob_dispatch(
             meta,
             task_name=TASK_PREV_LP,
-            worker_method="get_logprobs_presharded",
+            worker_method=TQPolicyWorker.get_logprobs_presharded,
             timer_prefix="get_logprobs",
             timer=timer,
-            common_kwargs={"micro_batch_size": micro_batch_size or self.logprob_batch_size},
+            micro_batch_size=micro_batch_size or self.logprob_batch_size,
         )
 
     def get_reference_policy_logprobs_from_meta(
@@ -214,10 +216,10 @@ class TQPolicy(Policy):
         self._logprob_dispatch(
             meta,
             task_name=TASK_REF_LP,
-            worker_method="get_reference_policy_logprobs_presharded",
+            worker_method=TQPolicyWorker.get_reference_policy_logprobs_presharded,
             timer_prefix="get_reference_policy_logprobs",
             timer=timer,
-            common_kwargs={"micro_batch_size": micro_batch_size or self.logprob_batch_size},
+            micro_batch_size=micro_batch_size or self.logprob_batch_size,
         )
 
     def train_from_meta(
@@ -253,7 +255,7 @@ class TQPolicy(Policy):
             )
         with _timed(timer, "policy_training/submit_training_futures"):
             results = self._group.run_sharded(
-                "train_presharded", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+                TQPolicyWorker.train_presharded, shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
             )
         return _aggregate_train_results(results)
 
@@ -267,7 +269,7 @@ class TQPolicy(Policy):
         with _timed(timer, "seq_logprob_error/shard_meta"):
             shards = shard_meta_for_dp(err_meta, self.dp_size, batch_size=None)
         with _timed(timer, "seq_logprob_error/submit_futures"):
-            results = self._group.run_sharded("seq_logprob_error_presharded", shards)
+            results = self._group.run_sharded(TQPolicyWorker.seq_logprob_error_presharded, shards)
         position = {key: i for i, key in enumerate(meta.keys)}
         order = torch.tensor([position[k] for shard in shards for k in shard.keys])  # rank-order row -> meta row
         out: BatchedDataDict[Any] = BatchedDataDict()
@@ -285,7 +287,7 @@ class TQPolicy(Policy):
         `data_plane/driver_bytes` (put+get by the driver) and `data_plane/driver_fraction_of_written`.
         """
         out = self.dp_client.metrics(reset)
-        parts: list[Mapping[str, float]] = [out, *self._group.run_all("data_plane_metrics", reset), *extra]
+        parts: list[Mapping[str, float]] = [out, *self._group.run_all(TQPolicyWorker.data_plane_metrics, reset), *extra]
         written = sum(m.get("data_plane/put/bytes", 0.0) for m in parts)
         read = sum(m.get("data_plane/get/bytes", 0.0) + m.get("data_plane/get_data/bytes", 0.0) for m in parts)
         out["data_plane/all/put_bytes"] = written

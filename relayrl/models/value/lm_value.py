@@ -116,11 +116,11 @@ class Value(ValueInterface):
     @property
     def weights_version(self) -> int:
         """Optimizer steps taken (restored from an optimizer checkpoint)."""
-        return self._group.run_rank0("get_weights_version")
+        return self._group.run_rank0(ValueWorker.get_weights_version)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0's live state dict (backbone `model.*` and head `score.*`; tensors share storage, no copy)."""
-        return self._group.run_rank0("state_dict")
+        return self._group.run_rank0(ValueWorker.state_dict)
 
     # ------------------------------------------------------------------ inference
     def get_values(self, data: BatchedDataDict, timer: Any = None) -> BatchedDataDict:
@@ -128,7 +128,7 @@ class Value(ValueInterface):
         check_batch(data, _VALUE_KEYS, "get_values")
         shards = BatchedDataDict(data).shard_by_batch_size(self.dp_size, allow_uneven_shards=True)
         with _timed(timer, "get_values"):
-            parts = self._group.run_sharded("get_values", shards, self.value_batch_size)
+            parts = self._group.run_sharded(ValueWorker.get_values, shards, self.value_batch_size)
         return BatchedDataDict(values=torch.cat([p["values"] for p in parts]))  # [B, S]
 
     # ------------------------------------------------------------------ training
@@ -155,7 +155,7 @@ class Value(ValueInterface):
         self._check_train_sizes(rows, gbs, mbs, "train")
         shards: list[BatchedDataDict] = BatchedDataDict(data).shard_by_batch_size(self.dp_size, batch_size=gbs)
         with _timed(timer, "value_training"):
-            results = self._group.run_sharded("train", shards, loss_fn, eval_mode, gbs, mbs)
+            results = self._group.run_sharded(ValueWorker.train, shards, loss_fn, eval_mode, gbs, mbs)
         return merge_value_train_results(results)
 
     def _check_train_sizes(self, rows: int, gbs: int, mbs: int, what: str) -> None:
@@ -169,20 +169,20 @@ class Value(ValueInterface):
 
     # ------------------------------------------------------------------ memory phases
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        self._group.run_all("prepare_for_training")
+        self._group.run_all(ValueWorker.prepare_for_training)
 
     def prepare_for_inference(self, *args: Any, **kwargs: Any) -> None:
-        self._group.run_all("prepare_for_inference")
+        self._group.run_all(ValueWorker.prepare_for_inference)
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        self._group.run_all("finish_training")
+        self._group.run_all(ValueWorker.finish_training)
 
     def finish_inference(self, *args: Any, **kwargs: Any) -> None:
-        self._group.run_all("finish_inference")
+        self._group.run_all(ValueWorker.finish_inference)
 
     def offload_to_cpu(self) -> None:
         """Move weights and optimizer state to the CPU (frees the accelerator for generation)."""
-        self._group.run_all("offload_to_cpu")
+        self._group.run_all(ValueWorker.offload_to_cpu)
 
     # ------------------------------------------------------------------ weights in / out
     def save_checkpoint(
@@ -195,11 +195,11 @@ class Value(ValueInterface):
     ) -> None:
         """Backbone (HF directory) + head at weights_path; optimizer+scheduler at optimizer_path; tokenizer too."""
         # every rank: fsdp2 gathers its sharded optimizer state collectively (rank 0 writes the files)
-        self._group.run_all("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
+        self._group.run_all(ValueWorker.save_checkpoint, weights_path, optimizer_path, tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load a saved critic (and optimizer state) into the live model of every rank."""
-        self._group.run_all("load_checkpoint", weights_path, optimizer_path)
+        self._group.run_all(ValueWorker.load_checkpoint, weights_path, optimizer_path)
 
     def shutdown(self) -> bool:
         return self._group.shutdown()

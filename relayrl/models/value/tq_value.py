@@ -31,6 +31,7 @@ from relayrl.data_plane.schema import (
     round_up,
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.interfaces import WorkerGroup
 from relayrl.models.policy.tq_policy import DataPlaneLeakError
 from relayrl.models.value.lm_value import Value, _timed, merge_value_train_results
 from relayrl.models.value.tq_worker import (
@@ -62,6 +63,7 @@ class TQValue(Value):
     """
 
     worker_cls: type[ValueWorker] = TQValueWorker
+    _group: WorkerGroup[TQValueWorker]
 
     def __init__(
         self,
@@ -149,7 +151,7 @@ class TQValue(Value):
         shards = self._shards(meta, VALUE_SEED_FIELDS, TASK_VALUES, None)
         with _timed(timer, "get_values/workers"):
             results = self._group.run_sharded(
-                "get_values_presharded", shards, micro_batch_size or self.value_batch_size
+                TQValueWorker.get_values_presharded, shards, micro_batch_size or self.value_batch_size
             )
         if any(r is not None for r in results):
             raise RuntimeError("get_values_presharded must write its result to the store and return None")
@@ -172,7 +174,7 @@ class TQValue(Value):
         shards = self._shards(meta, VALUE_TRAIN_FIELDS, TASK_VALUE_TRAIN, gbs)
         with _timed(timer, "value_training/workers"):
             results = self._group.run_sharded(
-                "train_presharded", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+                TQValueWorker.train_presharded, shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
             )
         return merge_value_train_results(results)
 
@@ -192,22 +194,24 @@ class TQValue(Value):
             live = sum(1 for s in shards if s.size)
             if live <= 1 or not getattr(estimator, "normalize_advantages", False):
                 parts = self._group.run_sharded(
-                    "advantages_presharded", shards, estimator, mode=ADV_FULL, logprob_fields=lp
+                    TQValueWorker.advantages_presharded, shards, estimator, mode=ADV_FULL, logprob_fields=lp
                 )
-                return combine_advantage_stats(parts)
-            raw = self._group.run_sharded("advantages_presharded", shards, estimator, mode=ADV_RAW, logprob_fields=lp)
+                return combine_advantage_stats([p for p in parts if p is not None])
+            raw = self._group.run_sharded(
+                TQValueWorker.advantages_presharded, shards, estimator, mode=ADV_RAW, logprob_fields=lp
+            )
             moments = [sum(r["moments"][i] for r in raw if r is not None) for i in range(3)]
             parts = self._group.run_sharded(
-                "advantages_presharded", shards, estimator, mode=ADV_WHITEN, moments=moments
+                TQValueWorker.advantages_presharded, shards, estimator, mode=ADV_WHITEN, moments=moments
             )
-        return combine_advantage_stats(parts)
+        return combine_advantage_stats([p for p in parts if p is not None])
 
     # ------------------------------------------------------------------ observability
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
         """This driver client's `data_plane/*` counters plus `data_plane/workers/put_bytes` and `.../get_bytes`
         summed over the critic's workers (bytes that moved between the store and the workers, not the driver)."""
         out = self.dp_client.metrics(reset)
-        workers = self._group.run_all("data_plane_metrics", reset)
+        workers = self._group.run_all(TQValueWorker.data_plane_metrics, reset)
         out["data_plane/workers/put_bytes"] = sum(m.get("data_plane/put/bytes", 0.0) for m in workers)
         out["data_plane/workers/get_bytes"] = sum(
             m.get("data_plane/get/bytes", 0.0) + m.get("data_plane/get_data/bytes", 0.0) for m in workers

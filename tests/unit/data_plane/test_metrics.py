@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,8 +74,8 @@ class _Group:
     def __init__(self, fail: bool) -> None:
         self.fail, self.calls = fail, []
 
-    def run_all(self, method: str, *args: Any) -> None:
-        self.calls.append(method)
+    def run_all(self, method: Callable[..., Any], *args: Any) -> None:
+        self.calls.append(method.__name__)
         if self.fail:
             raise RuntimeError("worker could not attach")
 

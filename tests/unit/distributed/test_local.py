@@ -50,14 +50,18 @@ class ToyWorker:
         return True
 
 
+def nope(worker: ToyWorker) -> None:
+    """A function that is no method of ToyWorker: dispatch looks the name up on the worker and fails."""
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_dispatch_in_rank_order(n: int) -> None:
     group = LocalWorkerGroup(ToyWorker, n, scale=2.0)
     assert isinstance(group, WorkerGroup) and group.world_size == n
-    assert group.run_all("whoami", suffix="!") == [f"rank{r}/{n}!" for r in range(n)]
+    assert group.run_all(ToyWorker.whoami, suffix="!") == [f"rank{r}/{n}!" for r in range(n)]
     shards = [[r, r + 10] for r in range(n)]
-    assert group.run_sharded("double", shards) == [[2 * r, 2 * r + 20] for r in range(n)]
-    assert group.run_rank0("whoami") == f"rank0/{n}"
+    assert group.run_sharded(ToyWorker.double, shards) == [[2 * r, 2 * r + 20] for r in range(n)]
+    assert group.run_rank0(ToyWorker.whoami) == f"rank0/{n}"
     assert group.worker(n - 1).rank == n - 1
     assert group.worker(0).value[0].item() == 2.0  # init kwargs reach every worker
 
@@ -65,36 +69,38 @@ def test_dispatch_in_rank_order(n: int) -> None:
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_all_reduce_sum_is_identical_on_every_rank(n: int) -> None:
     group = LocalWorkerGroup(ToyWorker, n)
-    totals = group.run_all("total")
+    totals = group.run_all(ToyWorker.total)
     expected = torch.full((3,), float(n * (n + 1) // 2))
     for t in totals:
         assert torch.equal(t, expected)
     # repeated calls reuse the same hub safely
-    assert all(torch.equal(t, expected) for t in group.run_all("total"))
+    assert all(torch.equal(t, expected) for t in group.run_all(ToyWorker.total))
 
 
 def test_broadcast_and_gather() -> None:
     group = LocalWorkerGroup(ToyWorker, 3)
-    assert all(torch.equal(t, torch.full((3,), 3.0)) for t in group.run_all("take_from", 2))
-    assert group.run_all("gather", "x") == [[(0, "x"), (1, "x"), (2, "x")]] * 3
+    assert all(torch.equal(t, torch.full((3,), 3.0)) for t in group.run_all(ToyWorker.take_from, 2))
+    assert group.run_all(ToyWorker.gather, "x") == [[(0, "x"), (1, "x"), (2, "x")]] * 3
     with pytest.raises(ValueError, match="source rank 5"):
-        group.run_all("take_from", 5)
+        group.run_all(ToyWorker.take_from, 5)
 
 
 def test_failure_on_one_rank_raises_root_cause_and_group_recovers() -> None:
     group = LocalWorkerGroup(ToyWorker, 3)
     with pytest.raises(ValueError, match="rank 1 failed on purpose"):
-        group.run_all("fail_on", 1)
-    assert all(torch.equal(t, torch.full((3,), 6.0)) for t in group.run_all("total"))
+        group.run_all(ToyWorker.fail_on, 1)
+    assert all(torch.equal(t, torch.full((3,), 6.0)) for t in group.run_all(ToyWorker.total))
     assert threading.active_count() < 10  # no worker thread left blocked at a barrier
 
 
 def test_bad_calls_are_named() -> None:
     group = LocalWorkerGroup(ToyWorker, 2)
     with pytest.raises(ValueError, match="3 shards for 2 workers"):
-        group.run_sharded("double", [[1], [2], [3]])
+        group.run_sharded(ToyWorker.double, [[1], [2], [3]])
     with pytest.raises(AttributeError, match="no method 'nope'"):
-        group.run_all("nope")
+        group.run_all(nope)
+    with pytest.raises(TypeError, match="by reference"):
+        group.run_all("whoami")  # type: ignore[arg-type]  # names are not a dispatch API
     with pytest.raises(ValueError, match="num_workers must be >= 1"):
         LocalWorkerGroup(ToyWorker, 0)
 
@@ -105,7 +111,7 @@ def test_shutdown_is_idempotent_and_closes_workers() -> None:
     assert group.shutdown() and group.shutdown()
     assert all(w.closed for w in workers)
     with pytest.raises(RuntimeError, match="shut down"):
-        group.run_all("whoami")
+        group.run_all(ToyWorker.whoami)
 
 
 def test_single_process_collective_is_identity() -> None:

@@ -63,6 +63,10 @@ class ToyWorker:
         return self.total()  # the healthy ranks wait here for a peer that never comes
 
 
+def nope(worker: ToyWorker) -> None:
+    """A function that is no method of ToyWorker: the actors look its name up and fail."""
+
+
 def make_group(**kwargs: Any) -> Any:
     from relayrl.distributed.ray_executor import RayWorkerGroup
 
@@ -93,7 +97,7 @@ def test_dispatch_env_collectives_errors_and_shutdown(ray_cluster: None) -> None
     group = make_group(scale=2.0, error_grace_s=3.0)
     try:
         assert isinstance(group, WorkerGroup) and group.world_size == 2
-        envs = group.run_all("env")
+        envs = group.run_all(ToyWorker.env)
         master = {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}
         assert len(master) == 1 and None not in next(iter(master))
         assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["NODE_RANK"]) for e in envs] == [
@@ -103,25 +107,25 @@ def test_dispatch_env_collectives_errors_and_shutdown(ray_cluster: None) -> None
         assert all(e["threads"] == 1 for e in envs)  # cluster.torch_num_threads applied in each actor
         assert [e["pid"] for e in envs] == group.pids and len(set(group.pids)) == 2 and os.getpid() not in group.pids
         assert envs[0]["HF_HUB_OFFLINE"] == os.environ.get("HF_HUB_OFFLINE")  # driver env forwarded
-        assert group.run_sharded("scaled", [[1, 2], [3]], factor=10) == [[10, 20], [31]]  # rank order
-        assert group.run_rank0("scaled", [5]) == [5]
+        assert group.run_sharded(ToyWorker.scaled, [[1, 2], [3]], factor=10) == [[10, 20], [31]]  # rank order
+        assert group.run_rank0(ToyWorker.scaled, [5]) == [5]
         with pytest.raises(ValueError, match="3 shards for 2 workers"):
-            group.run_sharded("scaled", [[1], [2], [3]])
+            group.run_sharded(ToyWorker.scaled, [[1], [2], [3]])
         # gloo collectives: rank r holds [0,1,2] + 20(r+1); the sum is identical on both ranks
         expected = torch.tensor([60.0, 62.0, 64.0])
-        assert all(torch.equal(t, expected) for t in group.run_all("total"))
-        assert all(torch.equal(t, torch.tensor([40.0, 41.0, 42.0])) for t in group.run_all("take_from", 1))
-        assert group.run_all("gather", "x") == [[(0, "x"), (1, "x")]] * 2
+        assert all(torch.equal(t, expected) for t in group.run_all(ToyWorker.total))
+        assert all(torch.equal(t, torch.tensor([40.0, 41.0, 42.0])) for t in group.run_all(ToyWorker.take_from, 1))
+        assert group.run_all(ToyWorker.gather, "x") == [[(0, "x"), (1, "x")]] * 2
         with pytest.raises(AttributeError, match="no method 'nope'"):
-            group.run_all("nope")  # every rank fails at once: the group stays usable
-        assert all(torch.equal(t, expected) for t in group.run_all("total"))
+            group.run_all(nope)  # every rank fails at once: the group stays usable
+        assert all(torch.equal(t, expected) for t in group.run_all(ToyWorker.total))
         # an error on one rank while the other waits in a collective: re-raised, then the stuck group is torn down
         start = time.monotonic()
         with pytest.raises(ValueError, match="rank 1 failed on purpose"):
-            group.run_all("fail_on", 1)
+            group.run_all(ToyWorker.fail_on, 1)
         assert time.monotonic() - start < 30
         with pytest.raises(RuntimeError, match="shut down"):
-            group.run_all("total")
+            group.run_all(ToyWorker.total)
         assert_released(group)
     finally:
         group.shutdown()
@@ -147,11 +151,11 @@ def test_killed_rank_is_named_within_bounded_time(ray_cluster: None, how: str) -
         timer = threading.Timer(killer_delay, kill)
         timer.start()
         with pytest.raises(WorkerDiedError, match=r"^rank 1 died during 'sleep_then_total'"):
-            group.run_all("sleep_then_total", 6.0)  # rank 0 ends up blocked in the all-reduce
+            group.run_all(ToyWorker.sleep_then_total, 6.0)  # rank 0 ends up blocked in the all-reduce
         timer.join()
         assert time.monotonic() - ref_start < 60
         with pytest.raises(RuntimeError, match="shut down"):
-            group.run_rank0("total")
+            group.run_rank0(ToyWorker.total)
         assert_released(group)
     finally:
         group.shutdown()
@@ -177,7 +181,7 @@ def test_local_path_never_imports_ray() -> None:
         "    def total(self):\n"
         "        t = torch.tensor([float(self.rank + self.k)]); self.comm.all_reduce_sum(t); return t.item()\n"
         "g = build_worker_group(W, ClusterConfig(executor='local', workers_per_node=3), k=1)\n"
-        "assert g.run_all('total') == [6.0] * 3, g.run_all('total')\n"
+        "assert g.run_all(W.total) == [6.0] * 3, g.run_all(W.total)\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
         "print('ok')\n"
     )

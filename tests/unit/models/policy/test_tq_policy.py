@@ -155,7 +155,7 @@ def test_dp2_workers_fetch_disjoint_slices_whose_union_is_the_step(
     batch = rollout_like_batch(lengths_for(9, seed=4), len(char_tokenizer), char_tokenizer.pad_token_id)
     meta, _ = seed_step(policy, batch, group_size=1)
     policy.get_logprobs_from_meta(meta)
-    per_rank = policy._group.run_all("data_plane_metrics")
+    per_rank = policy._group.run_all(TQPolicyWorker.data_plane_metrics)
     fetched = [int(m["data_plane/get/keys"]) for m in per_rank]
     written = [int(m["data_plane/put/keys"]) for m in per_rank]
     shards = shard_meta_for_dp(meta, 2)
