@@ -171,41 +171,65 @@ class AdvEstimatorConfig(Strict):
     minus_baseline: bool = True
 
 
-class GRPOConfig(Strict):
+class RolloutConfig(Strict):
+    """What GRPO and PPO share: how a step's rollouts are drawn, validated, scored and filtered.
+
+    The `grpo` and `ppo` blocks both extend it (their YAML keys are unchanged), so the rollout, validation, data and
+    step-tail code reads one type, `MasterConfig.rollout`, and the derived quantities are defined once, here.
+    """
+
     num_prompts_per_step: PositiveInt = 16
     num_generations_per_prompt: PositiveInt = 8
     max_rollout_turns: PositiveInt = 1
     max_num_epochs: PositiveInt = 1000
     max_num_steps: PositiveInt = 1000
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = False
     val_period: NonNegInt = 50
     val_start_at: int = -1
     val_at_start: bool = True
     val_at_end: bool = True
     val_greedy: bool = True
     """Validate with greedy decoding (deterministic accuracy); False samples like training."""
-    overlong_filtering: bool = False
-    advantage_clip_low: float | None = None
-    advantage_clip_high: float | None = None
     max_val_samples: PositiveInt = 200
     val_batch_size: PositiveInt = 200
     val_num_generations_per_prompt: PositiveInt = 1
     stop_at_validation_metric: str | None = None
     stop_at_validation_threshold: float | None = None
     seed: int = 42
+    overlong_filtering: bool = False
+    reward_scaling: RewardScalingConfig = RewardScalingConfig()
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    seq_logprob_error_threshold: PositiveFloat | None = None
+    skip_reference_policy_logprobs_calculation: bool = False
+
+    @property
+    def rows_per_step(self) -> int:
+        """Samples trained on per step: every prompt of the step times its generations."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    @property
+    def prompts_per_batch(self) -> int:
+        """Prompts the train loader yields per generation batch."""
+        return self.num_prompts_per_step
+
+
+class GRPOConfig(RolloutConfig):
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    advantage_clip_low: float | None = None
+    advantage_clip_high: float | None = None
     use_dynamic_sampling: bool = False
     dynamic_sampling_max_gen_batches: NonNegInt = 10
     batch_multiplier: PositiveInt = 1
-    reward_scaling: RewardScalingConfig = RewardScalingConfig()
-    reward_shaping: RewardShapingConfig = RewardShapingConfig()
     adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
-    seq_logprob_error_threshold: PositiveFloat | None = None
-    skip_reference_policy_logprobs_calculation: bool = False
     skip_prev_logprobs_when_on_policy: bool = True
     """When a step is exactly one optimizer step on fresh rollouts, the old-policy logprobs equal the training
     forward's detached logprobs: skip the separate pass and use ratio = exp(logp - logp.detach()) (what TRL does).
     Off when seq_logprob_error_threshold is set, or with CISPO / REINFORCE losses, which need them."""
+
+    @property
+    def prompts_per_batch(self) -> int:
+        """Dynamic sampling draws `batch_multiplier` times the prompts, since zero-std groups are dropped."""
+        return self.num_prompts_per_step * (self.batch_multiplier if self.use_dynamic_sampling else 1)
 
 
 class RewardPenaltiesConfig(Strict):
@@ -419,33 +443,13 @@ class PPOAdvEstimatorConfig(Strict):
     """Per-row policy lambda 1 - 1/(alpha * length) (VAPO); None disables it."""
 
 
-class PPOConfig(Strict):
-    num_prompts_per_step: PositiveInt = 16
-    num_generations_per_prompt: PositiveInt = 8
-    max_rollout_turns: PositiveInt = 1
-    max_num_epochs: PositiveInt = 1000
+class PPOConfig(RolloutConfig):
     max_num_steps: PositiveInt = 200
     ppo_epochs: PositiveInt = 1
     """Policy and value updates per rollout batch (all reuse the same advantages and old logprobs)."""
     policy_training_start_step: NonNegInt = 0
     """Critic warm-up: train only the value model until this many steps have run."""
-    val_period: NonNegInt = 50
-    val_start_at: int = -1
-    val_at_start: bool = True
-    val_at_end: bool = True
-    val_greedy: bool = True
-    max_val_samples: PositiveInt = 200
-    val_batch_size: PositiveInt = 200
-    val_num_generations_per_prompt: PositiveInt = 1
-    stop_at_validation_metric: str | None = None
-    stop_at_validation_threshold: float | None = None
-    seed: int = 42
-    overlong_filtering: bool = False
-    reward_scaling: RewardScalingConfig = RewardScalingConfig()
-    reward_shaping: RewardShapingConfig = RewardShapingConfig()
     adv_estimator: PPOAdvEstimatorConfig = PPOAdvEstimatorConfig()
-    seq_logprob_error_threshold: PositiveFloat | None = None
-    skip_reference_policy_logprobs_calculation: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------- top level
@@ -510,9 +514,9 @@ class MasterConfig(Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> MasterConfig:
         p = self.policy
-        r: GRPOConfig | PPOConfig = self.grpo if self.algorithm == "grpo" else self.ppo
+        r = self.rollout
         block = self.algorithm
-        rows = r.num_prompts_per_step * r.num_generations_per_prompt
+        rows = r.rows_per_step
         batch_owners = [("policy", p.train_global_batch_size, p.train_micro_batch_size)]
         if self.algorithm == "ppo":
             batch_owners.append(("value", self.value.train_global_batch_size, self.value.train_micro_batch_size))
@@ -583,7 +587,7 @@ class MasterConfig(Strict):
         return self.policy.max_total_sequence_length - self.policy.generation.max_new_tokens
 
     @property
-    def rollout(self) -> GRPOConfig | PPOConfig:
+    def rollout(self) -> RolloutConfig:
         """The block holding the rollout/validation settings of the selected algorithm."""
         return self.grpo if self.algorithm == "grpo" else self.ppo
 

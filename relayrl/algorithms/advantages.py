@@ -131,3 +131,34 @@ def clip_advantages(advantages: torch.Tensor, low: float | None, high: float | N
     if high is not None:
         advantages = advantages.clamp(max=high)
     return advantages
+
+
+def advantage_metrics(
+    advantages: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor, valid_values: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Summary statistics the reference logs under train/advantages/* and train/baseline_reward/*.
+
+    `valid_values` may replace `advantages[mask.bool()]` when the caller has the loss-token values already.
+    """
+    valid = advantages[mask.bool()] if valid_values is None else valid_values
+    out = {
+        "advantages/mean": valid.mean().item() if valid.numel() else 0.0,
+        "advantages/max": valid.max().item() if valid.numel() else 0.0,
+        "advantages/min": valid.min().item() if valid.numel() else 0.0,
+        "advantages/sum": advantages.sum().item(),
+    }
+    n = max(baseline.numel(), 1)
+    out["baseline_reward/pct_0"] = 100.0 * (baseline == 0).sum().item() / n
+    out["baseline_reward/pct_1"] = 100.0 * (baseline == 1).sum().item() / n
+    out["baseline_reward/pct_mixed"] = 100.0 - out["baseline_reward/pct_0"] - out["baseline_reward/pct_1"]
+    return out
+
+
+def row_advantage_metrics(
+    adv_rows: torch.Tensor, valid_counts: torch.Tensor, baseline: torch.Tensor, width: int
+) -> dict[str, float]:
+    """`advantage_metrics` from per-row advantages [B], equal to the per-token statistics of the broadcast [B, S]
+    tensor: the loss-token values are each row's advantage repeated over its loss tokens, in row order."""
+    valid = adv_rows.repeat_interleave(valid_counts)  # == advantages[mask.bool()] of the broadcast [B, S] tensor
+    full = adv_rows.unsqueeze(-1).expand(-1, width)  # [B, S] broadcast, as the legacy estimator returns it
+    return advantage_metrics(full, torch.zeros(0), baseline, valid_values=valid)

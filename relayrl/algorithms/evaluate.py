@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from relayrl.config import MasterConfig
 
 
-def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, Any]:
+def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object]:
     """Load `checkpoint` (a `step_N/` directory or a Hugging Face model directory) and run validation."""
-    from relayrl.algorithms.grpo import validate
     from relayrl.algorithms.setup import load_tokenizer
+    from relayrl.algorithms.validation import validate
     from relayrl.environments.registry import build_environments
     from relayrl.experience.data import build_dataloaders
     from relayrl.models.generation.hf_generation import HfGeneration
@@ -25,9 +24,6 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, Any]:
         tokenizer_cfg = tokenizer_cfg.model_copy(update={"name": str(saved_tokenizer)})
     policy_cfg = cfg.policy.model_copy(update={"model_name": str(model_dir), "tokenizer": tokenizer_cfg})
     cfg = cfg.model_copy(update={"policy": policy_cfg})
-    from relayrl.algorithms.ppo import rollout_view
-
-    cfg = rollout_view(cfg)  # PPO checkpoints keep their rollout settings in `ppo`
     tokenizer = load_tokenizer(cfg)
     _, val_dataloader = build_dataloaders(cfg, tokenizer)
     if val_dataloader is None:
@@ -39,7 +35,7 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, Any]:
         policy.generation_source,
         device=policy.device,
         max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        seed=cfg.grpo.seed,
+        seed=cfg.rollout.seed,
     )
     envs = build_environments(cfg)
     try:
@@ -48,5 +44,4 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, Any]:
     finally:
         generation.shutdown()
         policy.shutdown()
-    metrics["checkpoint"] = str(checkpoint)
-    return metrics
+    return {**metrics, "checkpoint": str(checkpoint)}

@@ -13,34 +13,43 @@ from __future__ import annotations
 
 import functools
 import pickle
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from relayrl.algorithms.advantages import GRPOAdvantageEstimator, build_advantage_estimator, clip_advantages
-from relayrl.algorithms.grpo_common import (
-    StepTail,
+from relayrl.algorithms.advantages import (
+    GRPOAdvantageEstimator,
+    advantage_metrics,
+    build_advantage_estimator,
+    clip_advantages,
+    row_advantage_metrics,
+)
+from relayrl.algorithms.interfaces import LossFunction
+from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
+from relayrl.algorithms.protocols import DataPlanePolicy, Generation, RolloutActor
+from relayrl.algorithms.reward_functions import post_process_rewards
+from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
+from relayrl.algorithms.trainer_common import (
     carry_sample_rows,
-    early_stop_reached,
-    post_process_rewards,
     resolve_logprob_skip_flags,
+    rollout_carry_keys,
     step_metrics,
 )
-from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
+from relayrl.algorithms.validation import Envs, validate_sync, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.ray_rollout import rollout_actor_cls  # SyncRolloutActor, or a Ray actor on Ray
-from relayrl.experience.sync_rollout_actor import SyncRolloutActor
-from relayrl.utils.checkpoint import GRPOSaveState
-from relayrl.utils.timer import TimeoutChecker, Timer
+from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
+from relayrl.utils.logger import Logger
+from relayrl.utils.timer import Timer
 
 __all__ = [
+    "GRPOSyncSteps",
     "_apply_dynamic_sampling",
     "_compute_seq_logprob_error_metrics",
     "_raise_if_message_level_advantage_penalties_enabled",
@@ -52,222 +61,255 @@ _CARRY = ["total_reward", "loss_multiplier", "truncated", "length", "prompt_grou
 
 
 def grpo_train_sync(
-    policy: Any,
-    policy_generation: Any,
+    policy: DataPlanePolicy,
+    policy_generation: Generation,
     wrapped_dataloader: Any,
     val_dataloader: Any,
     tokenizer: Any,
-    loss_fn: Any,
-    task_to_env: dict[str, Any],
-    val_task_to_env: dict[str, Any] | None,
-    logger: Any,
-    checkpointer: Any,
+    loss_fn: LossFunction,
+    task_to_env: Envs,
+    val_task_to_env: Envs | None,
+    logger: Logger,
+    checkpointer: CheckpointManager,
     grpo_save_state: GRPOSaveState,
     master_config: MasterConfig,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Run GRPO through the data plane. Same signature, stopping rules and metrics as `grpo.grpo_train`."""
-    cfg, g = master_config, master_config.grpo
+    cfg = master_config
     if not cfg.data_plane.enabled:
         raise ValueError("grpo_train_sync needs data_plane.enabled=true; use grpo.grpo_train (the legacy trainer)")
     _raise_if_message_level_advantage_penalties_enabled(cfg)
     if not hasattr(policy, "dp_cfg"):
         raise ValueError("grpo_train_sync needs a TQPolicy (a policy attached to the data plane)")
-    state, dataloader = grpo_save_state, wrapped_dataloader
     timer = Timer()
-    timeout = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
-    timeout.start_iterations()
-    estimator = build_advantage_estimator(g, cfg.loss_fn)
-    skip_prev, skip_ref = resolve_logprob_skip_flags(cfg)
-    train_fields = _train_fields_for_step(skip_prev, skip_ref)
-    rollout_actor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
-    carry_keys = rollout_carry_keys(_CARRY, g.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
-    target = g.num_prompts_per_step * g.num_generations_per_prompt
-    last_metrics: dict[str, Any] = {}
-    run_validation = sync_validation_runner(
-        rollout_actor, policy, policy_generation, val_dataloader, val_task_to_env, cfg, logger
-    )
+    actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
-    tail = StepTail(
-        cfg, state, timer, timeout, dataloader, policy, policy_generation, checkpointer, logger, run_validation
-    )
-    if g.val_at_start and state.total_steps == 0:
-        val_metrics = run_validation(0)
-        if early_stop_reached(val_metrics, cfg):
-            return {"validation": val_metrics}
+    def validate_at(step: int) -> dict[str, float]:
+        return validate_sync(
+            rollout_actor=actor,
+            policy=policy,
+            val_dataloader=val_dataloader,
+            val_task_to_env=val_task_to_env,
+            step=step,
+            master_config=cfg,
+            logger=logger,
+        )
 
-    pending_meta: KVBatchMeta | None = None
-    pending_carry: BatchedDataDict | None = None
-    pending_unfiltered_rewards: list[torch.Tensor] = []
-    num_gen_batches, step_carry_bytes = 0, 0
-    while state.current_epoch < g.max_num_epochs and state.total_steps < g.max_num_steps:
-        for batch in dataloader:
-            step = state.total_steps + 1
-            timer.start("total_step_time")
-            num_gen_batches += 1
+    steps = GRPOSyncSteps(policy, policy_generation, actor, loss_fn, logger, cfg, timer, validate_at)
+    parts = LoopParts(cfg, grpo_save_state, timer, wrapped_dataloader, policy, policy_generation, checkpointer, logger)
+    return run_loop(steps, parts)
 
-            # ---- repeat prompts G times (the actor flattens prompts into group ids) ----
-            with timer.time("data_processing"):
-                repeated = batch.repeat_interleave(g.num_generations_per_prompt)
 
-            # ---- generate: one call rolls out, scores, flattens and writes the bulk to the store ----
-            with timer.time("prepare_for_generation/total"):
-                policy_generation.prepare_for_generation()
-            with timer.time("generation"):
-                if pending_meta is None:
-                    # a new training step: byte counters start here (validation traffic is not the step's)
-                    policy.data_plane_metrics(reset=True, extra=[rollout_actor.data_plane_metrics(reset=True)])
-                    policy.prepare_step(num_samples=target, group_size=g.num_generations_per_prompt)
-                meta, carry, rollout_metrics, _ = rollout_actor.rollout_to_tq(
-                    repeated,
-                    partition_id=policy.tq_partition_id,
-                    group_size=g.num_generations_per_prompt,
-                    first_iter=num_gen_batches == 1,
-                    carry_keys=carry_keys,
-                    wire=True,
-                    text_rows=cfg.logger.num_train_samples_to_log,
-                )
-                step_carry_bytes += wire_nbytes(carry)  # what crossed to the driver: its smallest exact form
-                carry = decode_carry(carry)  # per-row values, dtypes as the legacy trainer's
+class GRPOSyncSteps:
+    """The data-plane GRPO step: each phase a method under its timer, phase for phase with `grpo.GRPOSteps`."""
 
-            # ---- rewards: scaling/shaping, then per-prompt baseline and std (on the carry only) ----
-            with timer.time("reward_calculation"):
-                rewards, unshaped = post_process_rewards(
-                    carry["total_reward"],
-                    carry["truncated"],
-                    functools.partial(carry.__getitem__, "response_token_lengths"),
-                    cfg,
-                )
-                carry["total_reward"] = rewards
-                baseline, std = calculate_baseline_and_std_per_prompt(
-                    carry["prompt_group"].unsqueeze(-1),
-                    rewards,
-                    torch.ones_like(rewards),
-                    leave_one_out_baseline=g.use_leave_one_out_baseline,
-                    std_rewards=unshaped if (unshaped is not None and g.use_dynamic_sampling) else None,
-                )
-                carry["baseline"], carry["std"] = baseline, std
-                meta.stamp_tags({"std": std.tolist(), "baseline": baseline.tolist()})
+    def __init__(
+        self,
+        policy: DataPlanePolicy,
+        policy_generation: Generation,
+        rollout_actor: RolloutActor,
+        loss_fn: LossFunction,
+        logger: Logger,
+        cfg: MasterConfig,
+        timer: Timer,
+        validate_at: Callable[[int], dict[str, float]],
+    ) -> None:
+        self.policy, self.generation, self.actor, self.loss_fn = policy, policy_generation, rollout_actor, loss_fn
+        self.logger, self.cfg, self.g, self.timer = logger, cfg, cfg.grpo, timer
+        self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
+        self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
+        self.train_fields = _train_fields_for_step(self.skip_prev, self.skip_ref)
+        self.carry_keys = rollout_carry_keys(
+            _CARRY, cfg.grpo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
+        )
+        self.validate = validation_runner(policy_generation, logger, validate_at)
+        # dynamic sampling collects groups (their keys stay in the store) across generation batches
+        self.pending_meta: KVBatchMeta | None = None
+        self.pending_carry: BatchedDataDict | None = None
+        self.pending_rewards: list[torch.Tensor] = []
+        self.num_gen_batches, self.carry_bytes = 0, 0
 
-            # ---- dynamic sampling: filter on tags without fetching; dropped keys leave the store at once ----
-            ds_metrics: dict[str, Any] = {}
-            with timer.time("dynamic_sampling"):
-                if g.use_dynamic_sampling:
-                    pending_meta, pending_carry, pending_unfiltered_rewards, complete, ds_metrics, unfiltered = (
-                        _apply_dynamic_sampling(
-                            meta=meta,
-                            driver_carry=carry,
-                            pending_meta=pending_meta,
-                            pending_carry=pending_carry,
-                            pending_unfiltered_rewards=pending_unfiltered_rewards,
-                            train_prompts_size=target,
-                            num_gen_batches=num_gen_batches,
-                            max_gen_batches=g.dynamic_sampling_max_gen_batches,
-                            policy=policy,
-                        )
-                    )
-                    if not complete:
-                        timer.stop("total_step_time")
-                        continue
-                    assert pending_meta is not None and pending_carry is not None and unfiltered is not None
-                    meta, carry, reward_for_log = pending_meta, pending_carry, unfiltered
-                    pending_meta, pending_carry = None, None
-                else:
-                    reward_for_log = rewards
-            rewards = carry.get("filtered_reward", carry["total_reward"])
+    def close(self) -> None:
+        self.actor.shutdown()
 
-            # ---- overlong filtering: only the per-row sample mask changes; the store gets it if it changed ----
-            with timer.time("data_processing"):
-                sample_mask = carry["loss_multiplier"].clone().float()  # [B]
-                if g.overlong_filtering:
-                    sample_mask[carry["truncated"].bool()] = 0.0
-                stored_mask = carry["loss_multiplier"].float()  # [B] what the store's sample_mask holds
-                if not torch.equal(sample_mask, stored_mask):
-                    policy.write_to_dataplane(meta, {"sample_mask": sample_mask})
-                    stored_mask = sample_mask.clone()
-
-            # ---- prev and reference logprobs: computed and written back by the workers ----
-            with timer.time("policy_and_reference_logprobs"):
-                if not (skip_prev and skip_ref):
-                    policy.prepare_for_lp_inference()
-                if not skip_prev:
-                    policy.get_logprobs_from_meta(meta, timer=timer)
-                if not skip_ref:
-                    policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
-
-            # ---- sequence-level logprob-error metrics and optional masking (reduced per row on the workers) ----
-            seq_err_metrics: dict[str, float] = {}
-            if not skip_prev:
-                sample_mask, seq_err_metrics = _compute_seq_logprob_error_metrics(
-                    policy=policy,
-                    meta=meta,
-                    sample_mask=sample_mask,
-                    rewards=rewards,
-                    seq_logprob_error_threshold=g.seq_logprob_error_threshold,
-                )
-
-            # ---- advantages (+ clipping): per row for GRPO, so only [B] floats go back to the store ----
-            with timer.time("advantage_calculation"):
-                valid_counts = carry["loss_token_counts"].long() * (sample_mask != 0)  # [B] loss tokens per row
-                prompt_group = carry["prompt_group"].unsqueeze(-1)  # [B, 1]
-                if isinstance(estimator, GRPOAdvantageEstimator):
-                    adv_rows = estimator.compute_advantage(prompt_group, rewards, sample_mask.unsqueeze(-1))[:, 0]
-                    adv_rows = clip_advantages(adv_rows, g.advantage_clip_low, g.advantage_clip_high)  # [B]
-                    advantages_column: torch.Tensor = adv_rows
-                    width = int(meta.extra_info.get("global_forward_pad_seqlen") or max(meta.sequence_lengths or [0]))
-                    adv_metrics = _row_advantage_metrics(adv_rows, valid_counts, carry["baseline"], width)
-                else:  # per-token estimators need the token mask on the driver (and cost per-token bytes)
-                    cols = policy.read_from_dataplane(meta, select_fields=_token_fields(skip_prev, skip_ref))
-                    mask = cols["token_mask"] * sample_mask.unsqueeze(-1)  # [B, S]
-                    advantages_column = estimator.compute_advantage(
-                        prompt_group, rewards, mask, cols.get("prev_logprobs"), cols.get("reference_policy_logprobs")
-                    )
-                    advantages_column = clip_advantages(advantages_column, g.advantage_clip_low, g.advantage_clip_high)
-                    from relayrl.algorithms.grpo_common import advantage_metrics
-
-                    adv_metrics = advantage_metrics(advantages_column, mask, carry["baseline"])
-                columns = {"advantages": advantages_column}
-                if not torch.equal(sample_mask, stored_mask):  # else the store already holds it
-                    columns["sample_mask"] = sample_mask
-                policy.write_to_dataplane(meta, columns)
-
-            # ---- train: every DP worker fetches its keys ----
-            with timer.time("policy_training"):
-                policy.prepare_for_training()
-                train_results = policy.train_from_meta(meta, loss_fn, timer=timer, train_fields=train_fields)
-                policy.finish_training()
-            policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
-
-            # ---- metrics, then validate / checkpoint / log (shared with grpo.py) ----
-            metrics = step_metrics(
-                train_results=train_results,
-                reward_for_log=reward_for_log,
-                filtered_reward=carry.get("filtered_reward"),
-                prompt_lengths=carry["length"],
-                input_lengths=torch.tensor(meta.sequence_lengths or [], dtype=torch.long),
-                adv_metrics=adv_metrics,
-                rollout_metrics=rollout_metrics,
-                seq_err_metrics=seq_err_metrics,
-                ds_metrics=ds_metrics,
+    def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
+        timer, g = self.timer, self.g
+        self.num_gen_batches += 1
+        with timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
+            repeated = batch.repeat_interleave(g.num_generations_per_prompt)
+        meta, carry, rollout_metrics = self._generate(repeated)
+        with timer.time("reward_calculation"):  # on the carry only
+            rewards = self._rewards(meta, carry)
+        ds_metrics: dict[str, float] = {}
+        with timer.time("dynamic_sampling"):  # filter on tags without fetching; dropped keys leave the store at once
+            if g.use_dynamic_sampling:
+                done = self._dynamic_sampling(meta, carry)
+                if done is None:
+                    return None
+                meta, carry, reward_for_log, ds_metrics = done
+            else:
+                reward_for_log = rewards
+        rewards = carry.get("filtered_reward", carry["total_reward"])
+        with timer.time("data_processing"):  # overlong filtering: the store gets the per-row mask if it changed
+            sample_mask, stored_mask = self._sample_mask(meta, carry)
+        with timer.time("policy_and_reference_logprobs"):  # computed and written back by the workers
+            if not (self.skip_prev and self.skip_ref):
+                self.policy.prepare_for_lp_inference()
+            if not self.skip_prev:
+                self.policy.get_logprobs_from_meta(meta, timer=timer)
+            if not self.skip_ref:
+                self.policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
+        seq_err_metrics: dict[str, float] = {}
+        if not self.skip_prev:  # reduced per row on the workers
+            sample_mask, seq_err_metrics = _compute_seq_logprob_error_metrics(
+                policy=self.policy,
+                meta=meta,
+                sample_mask=sample_mask,
+                rewards=rewards,
+                seq_logprob_error_threshold=g.seq_logprob_error_threshold,
             )
-            dp_metrics = policy.data_plane_metrics(reset=True, extra=[rollout_actor.data_plane_metrics(reset=True)])
-            metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + step_carry_bytes)
-            metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
-            metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(
-                metrics["store_bytes_written"], 1.0
+        with timer.time("advantage_calculation"):
+            adv_metrics = self._advantages(meta, carry, rewards, sample_mask, stored_mask)
+        with timer.time("policy_training"):  # every DP worker fetches its keys
+            self.policy.prepare_for_training()
+            train_results = self.policy.train_from_meta(meta, self.loss_fn, timer=timer, train_fields=self.train_fields)
+            self.policy.finish_training()
+        self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
+        metrics = step_metrics(
+            train_results=train_results,
+            reward_for_log=reward_for_log,
+            filtered_reward=carry.get("filtered_reward"),
+            prompt_lengths=carry["length"],
+            input_lengths=torch.tensor(meta.sequence_lengths or [], dtype=torch.long),
+            adv_metrics=adv_metrics,
+            rollout_metrics=rollout_metrics,
+            seq_err_metrics=seq_err_metrics,
+            ds_metrics=ds_metrics,
+        )
+        self._byte_metrics(meta, metrics, step)
+        self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
+        return StepOutput(metrics, carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log))
+
+    def _generate(self, repeated: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float]]:
+        """One actor call rolls out, scores, flattens and writes the bulk to the store; the carry comes back."""
+        g, policy = self.g, self.policy
+        with self.timer.time("prepare_for_generation/total"):
+            self.generation.prepare_for_generation()
+        with self.timer.time("generation"):
+            if self.pending_meta is None:
+                # a new training step: byte counters start here (validation traffic is not the step's)
+                policy.data_plane_metrics(reset=True, extra=[self.actor.data_plane_metrics(reset=True)])
+                policy.prepare_step(num_samples=g.rows_per_step, group_size=g.num_generations_per_prompt)
+            meta, wire_carry, rollout_metrics, _ = self.actor.rollout_to_tq(
+                repeated,
+                partition_id=policy.tq_partition_id,
+                group_size=g.num_generations_per_prompt,
+                first_iter=self.num_gen_batches == 1,
+                carry_keys=self.carry_keys,
+                wire=True,
+                text_rows=self.cfg.logger.num_train_samples_to_log,
             )
-            # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
-            metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
-            logger.log_metrics(dp_metrics, step)
-            samples = carry_sample_rows(carry, rewards, step, cfg.logger.num_train_samples_to_log)
-            stop, last_metrics = tail.finish(step, metrics, samples)
-            num_gen_batches, pending_unfiltered_rewards, step_carry_bytes = 0, [], 0
-            if stop:
-                rollout_actor.shutdown()
-                return last_metrics
-        state.current_epoch += 1
-        state.current_step = 0
-    rollout_actor.shutdown()
-    return last_metrics
+            self.carry_bytes += wire_nbytes(wire_carry)  # what crossed to the driver: its smallest exact form
+            carry = decode_carry(wire_carry)  # per-row values, dtypes as the legacy trainer's
+        return meta, carry, rollout_metrics
+
+    def _rewards(self, meta: KVBatchMeta, carry: BatchedDataDict) -> torch.Tensor:
+        """Scaling/shaping, then the per-prompt baseline and std, stamped on the handle's tags. Returns rewards [B]."""
+        g = self.g
+        rewards, unshaped = post_process_rewards(
+            carry["total_reward"],
+            carry["truncated"],
+            functools.partial(carry.__getitem__, "response_token_lengths"),
+            g,
+        )
+        carry["total_reward"] = rewards
+        baseline, std = calculate_baseline_and_std_per_prompt(
+            carry["prompt_group"].unsqueeze(-1),
+            rewards,
+            torch.ones_like(rewards),
+            leave_one_out_baseline=g.use_leave_one_out_baseline,
+            std_rewards=unshaped if (unshaped is not None and g.use_dynamic_sampling) else None,
+        )
+        carry["baseline"], carry["std"] = baseline, std
+        meta.stamp_tags({"std": std.tolist(), "baseline": baseline.tolist()})
+        return rewards
+
+    def _dynamic_sampling(
+        self, meta: KVBatchMeta, carry: BatchedDataDict
+    ) -> tuple[KVBatchMeta, BatchedDataDict, torch.Tensor, dict[str, float]] | None:
+        """One dynamic-sampling iteration; the training batch once enough groups survived, else None."""
+        self.pending_meta, self.pending_carry, self.pending_rewards, complete, ds_metrics, unfiltered = (
+            _apply_dynamic_sampling(
+                meta=meta,
+                driver_carry=carry,
+                pending_meta=self.pending_meta,
+                pending_carry=self.pending_carry,
+                pending_unfiltered_rewards=self.pending_rewards,
+                train_prompts_size=self.g.rows_per_step,
+                num_gen_batches=self.num_gen_batches,
+                max_gen_batches=self.g.dynamic_sampling_max_gen_batches,
+                policy=self.policy,
+            )
+        )
+        if not complete:
+            return None
+        assert self.pending_meta is not None and self.pending_carry is not None and unfiltered is not None
+        out = (self.pending_meta, self.pending_carry, unfiltered, ds_metrics)
+        self.pending_meta, self.pending_carry = None, None
+        return out
+
+    def _sample_mask(self, meta: KVBatchMeta, carry: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Overlong filtering on the per-row mask. Returns (sample_mask, what the store holds), both [B]."""
+        sample_mask = carry["loss_multiplier"].clone().float()  # [B]
+        if self.g.overlong_filtering:
+            sample_mask[carry["truncated"].bool()] = 0.0
+        stored_mask = carry["loss_multiplier"].float()  # [B] what the store's sample_mask holds
+        if not torch.equal(sample_mask, stored_mask):
+            self.policy.write_to_dataplane(meta, {"sample_mask": sample_mask})
+            stored_mask = sample_mask.clone()
+        return sample_mask, stored_mask
+
+    def _advantages(
+        self,
+        meta: KVBatchMeta,
+        carry: BatchedDataDict,
+        rewards: torch.Tensor,
+        sample_mask: torch.Tensor,
+        stored_mask: torch.Tensor,
+    ) -> dict[str, float]:
+        """Advantages (+ clipping) written to the store. GRPO's are per row, so only [B] floats go back; per-token
+        estimators need the token mask on the driver (and cost per-token bytes)."""
+        g = self.g
+        valid_counts = carry["loss_token_counts"].long() * (sample_mask != 0)  # [B] loss tokens per row
+        prompt_group = carry["prompt_group"].unsqueeze(-1)  # [B, 1]
+        if isinstance(self.estimator, GRPOAdvantageEstimator):
+            adv_rows = self.estimator.compute_advantage(prompt_group, rewards, sample_mask.unsqueeze(-1))[:, 0]
+            column = clip_advantages(adv_rows, g.advantage_clip_low, g.advantage_clip_high)  # [B]
+            width = int(meta.extra_info.get("global_forward_pad_seqlen") or max(meta.sequence_lengths or [0]))
+            adv_metrics = row_advantage_metrics(column, valid_counts, carry["baseline"], width)
+        else:
+            cols = self.policy.read_from_dataplane(meta, select_fields=_token_fields(self.skip_prev, self.skip_ref))
+            mask = cols["token_mask"] * sample_mask.unsqueeze(-1)  # [B, S]
+            column = self.estimator.compute_advantage(
+                prompt_group, rewards, mask, cols.get("prev_logprobs"), cols.get("reference_policy_logprobs")
+            )
+            column = clip_advantages(column, g.advantage_clip_low, g.advantage_clip_high)  # [B, S]
+            adv_metrics = advantage_metrics(column, mask, carry["baseline"])
+        columns = {"advantages": column}
+        if not torch.equal(sample_mask, stored_mask):  # else the store already holds it
+            columns["sample_mask"] = sample_mask
+        self.policy.write_to_dataplane(meta, columns)
+        return adv_metrics
+
+    def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> None:
+        """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle."""
+        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self.actor.data_plane_metrics(reset=True)])
+        metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + self.carry_bytes)
+        metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
+        metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(metrics["store_bytes_written"], 1.0)
+        # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
+        metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
+        self.logger.log_metrics(dp_metrics, step)
 
 
 def _raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
@@ -305,7 +347,7 @@ def _apply_dynamic_sampling(
     train_prompts_size: int,
     num_gen_batches: int,
     max_gen_batches: int,
-    policy: Any,
+    policy: DataPlanePolicy,
 ) -> tuple[KVBatchMeta | None, BatchedDataDict | None, list[torch.Tensor], bool, dict[str, Any], torch.Tensor | None]:
     """One dynamic-sampling iteration on metadata: drop zero-std rows (and their keys from the store), merge the
     survivors into the pending cache, report whether it reached `train_prompts_size` rows.
@@ -353,7 +395,7 @@ def _apply_dynamic_sampling(
 
 def _compute_seq_logprob_error_metrics(
     *,
-    policy: Any,
+    policy: DataPlanePolicy,
     meta: KVBatchMeta,
     sample_mask: torch.Tensor,
     rewards: torch.Tensor,
@@ -364,112 +406,3 @@ def _compute_seq_logprob_error_metrics(
     return seq_logprob_error_metrics_from_rows(
         per_row["seq_logprob_error"], per_row["num_loss_tokens"], sample_mask, rewards, seq_logprob_error_threshold
     )
-
-
-def _row_advantage_metrics(
-    adv_rows: torch.Tensor, valid_counts: torch.Tensor, baseline: torch.Tensor, width: int
-) -> dict[str, float]:
-    """train/advantages/* and baseline_reward/* from per-row advantages, equal to the legacy per-token statistics:
-    the loss-token values are each row's advantage repeated over its loss tokens, in row order."""
-    from relayrl.algorithms.grpo_common import advantage_metrics
-
-    valid = adv_rows.repeat_interleave(valid_counts)  # == advantages[mask.bool()] of the broadcast [B, S] tensor
-    full = adv_rows.unsqueeze(-1).expand(-1, width)  # [B, S] broadcast, as the legacy estimator returns it
-    return advantage_metrics(full, torch.zeros(0), baseline, valid_values=valid)
-
-
-def rollout_carry_keys(base: list[str], reward_shaping: bool, num_samples_to_log: int) -> list[str]:
-    """The per-row values a data-plane trainer takes back from the rollout actor (shaping and sample logging add
-    their own)."""
-    return (
-        base + (["response_token_lengths"] if reward_shaping else []) + (["sample_text"] if num_samples_to_log else [])
-    )
-
-
-def sync_validation_runner(
-    rollout_actor: SyncRolloutActor,
-    policy: Any,
-    policy_generation: Any,
-    val_dataloader: Any,
-    val_task_to_env: dict[str, Any] | None,
-    master_config: MasterConfig,
-    logger: Any,
-) -> Callable[[int], dict[str, Any]]:
-    """`run_validation(step)` of a data-plane trainer: `validate_sync` with generation prepared around the whole
-    validation, its metrics logged under `validation/`."""
-
-    def run_validation(step: int) -> dict[str, Any]:
-        policy_generation.prepare_for_generation()
-        val_metrics = validate_sync(
-            rollout_actor=rollout_actor,
-            policy=policy,
-            val_dataloader=val_dataloader,
-            val_task_to_env=val_task_to_env,
-            step=step,
-            master_config=master_config,
-            logger=logger,
-        )
-        policy_generation.finish_generation()
-        if val_metrics:
-            logger.log_metrics(val_metrics, step, prefix="validation")
-        return val_metrics
-
-    return run_validation
-
-
-def validate_sync(
-    *,
-    rollout_actor: SyncRolloutActor,
-    policy: Any,
-    val_dataloader: Any,
-    val_task_to_env: dict[str, Any] | None,
-    step: int,
-    master_config: MasterConfig,
-    logger: Any = None,
-    partition_id: str = "val",
-) -> dict[str, Any]:
-    """Validation through the data plane: per batch, a `val` partition, one rollout_to_tq, then clear.
-
-    The caller prepares and finishes generation around the whole validation, so inference state stays warm across
-    batches. Accuracy, pass@k and average length match the legacy `validate`.
-    """
-    if val_dataloader is None or val_task_to_env is None:
-        return {}
-    g = master_config.grpo
-    k = g.val_num_generations_per_prompt
-    t0 = time.perf_counter()
-    all_rewards, lengths, samples, seen = [], [], [], 0
-    for batch in val_dataloader:
-        if seen >= g.max_val_samples:
-            break
-        batch = batch.slice(0, min(batch.size, g.max_val_samples - seen))
-        seen += batch.size
-        repeated = batch.repeat_interleave(k)
-        policy.prepare_val_partition(repeated.size, partition_id=partition_id)
-        meta, carry, metrics, _ = rollout_actor.rollout_to_tq(
-            repeated,
-            partition_id=partition_id,
-            group_size=k,
-            first_iter=False,
-            finish_generation=False,
-            task_to_env_override=val_task_to_env,
-            carry_keys=["total_reward", "message_log"],
-            greedy=g.val_greedy,
-        )
-        policy.finish_step(meta)
-        all_rewards.append(carry["total_reward"].float())
-        lengths.append(metrics["mean_gen_tokens_per_sample"])
-        for log, r in zip(carry["message_log"], carry["total_reward"].tolist()):
-            samples.append({"content": log, "rewards": r})
-    rewards = torch.cat(all_rewards) if all_rewards else torch.zeros(0)
-    val_metrics: dict[str, Any] = {
-        "accuracy": rewards.mean().item() if rewards.numel() else 0.0,
-        "avg_length": sum(lengths) / max(len(lengths), 1),
-        "num_samples": int(rewards.numel()),
-    }
-    if k > 1:
-        val_metrics["pass_k"] = (rewards.view(-1, k) > 0).any(dim=1).float().mean().item()
-    if logger is not None:
-        logger.log_jsonl(samples, f"val_data_step{step}.jsonl")
-        logger.log_metrics({"total_validation_time": time.perf_counter() - t0}, step, prefix="timing/validation")
-    return val_metrics

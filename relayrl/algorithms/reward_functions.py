@@ -8,10 +8,11 @@ rewards agree are still filtered even if shaping made them differ.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from relayrl.config import RewardScalingConfig, RewardShapingConfig
+from relayrl.config import RewardScalingConfig, RewardShapingConfig, RolloutConfig
 
 
 def scale_rewards(rewards: torch.Tensor, cfg: RewardScalingConfig) -> torch.Tensor:
@@ -95,3 +96,19 @@ def apply_reward_shaping(
     overlong_penalty = (-exceed / buffer_len * penalty).clamp(max=0.0)  # [B], <= 0
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     return rewards.to(out_dtype) + overlong_penalty.to(out_dtype), unshaped
+
+
+def post_process_rewards(
+    rewards: torch.Tensor,
+    truncated: torch.Tensor,
+    response_lengths: Callable[[], torch.Tensor],
+    r: RolloutConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reward scaling, then shaping (the reference's order). Returns (rewards, unshaped copy or None).
+
+    `response_lengths` is called only when shaping needs the first assistant turn's length of every row.
+    """
+    rewards = scale_rewards(rewards, r.reward_scaling)
+    if not r.reward_shaping.enabled:
+        return rewards, None
+    return apply_reward_shaping(rewards, r.reward_shaping, response_lengths(), truncated)

@@ -1,6 +1,7 @@
 """Build everything a run needs from a validated config, resuming from the latest complete checkpoint if any.
 
-Kept apart from the loops so the legacy and the data-plane trainers share one setup and differ only in the loop.
+One set-up for every trainer: GRPO and PPO, legacy and data-plane, differ here only in the critic (built for PPO
+alone) and in which policy/critic classes carry the tensors (driver-side, or attached to the data plane).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Any
 
 import torch
 
-from relayrl.algorithms.grpo_common import effective_loss_config
+from relayrl.algorithms.interfaces import LossFunction
+from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import MasterConfig
+from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState, load_save_state
 from relayrl.utils.config_io import dump_config
 from relayrl.utils.logger import Logger
@@ -26,19 +29,23 @@ class SetupError(Exception):
 
 
 @dataclass
-class GRPOComponents:
-    policy: Any
-    policy_generation: Any
+class RunComponents:
+    """Everything a trainer takes, built once. `value` and `value_loss_fn` exist for PPO only."""
+
+    policy: Any  # Policy, or TQPolicy on the data plane
+    policy_generation: Any  # HfGeneration, or DistributedGeneration on Ray
     dataloader: Any
     val_dataloader: Any
     tokenizer: Any
-    loss_fn: Any
-    task_to_env: dict[str, Any]
-    val_task_to_env: dict[str, Any] | None
+    loss_fn: LossFunction
+    task_to_env: dict[str, EnvironmentInterface]
+    val_task_to_env: dict[str, EnvironmentInterface] | None
     logger: Logger
     checkpointer: CheckpointManager
     save_state: GRPOSaveState
     resumed_from: Path | None
+    value: Any = None  # Value, or TQValue on the data plane
+    value_loss_fn: LossFunction | None = None
 
 
 def load_tokenizer(cfg: MasterConfig) -> Any:
@@ -109,22 +116,25 @@ def build_generation(cfg: MasterConfig, tokenizer: Any, policy: Any, seed: int) 
     )
 
 
-def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
-    """Seed, build data, policy, generation, environments, logger and checkpointer; restore state on resume."""
-    check_trainer_executor(cfg)
+def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
+    """Seed, build data, policy (and critic for PPO), generation, environments, logger and checkpointer; restore
+    state on resume."""
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
+    from relayrl.algorithms.value_loss import MseValueLossFn
     from relayrl.environments.registry import build_environments
     from relayrl.experience.data import build_dataloaders
-    from relayrl.models.policy.lm_policy import Policy
 
+    check_trainer_executor(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.cluster.torch_num_threads is not None:
         torch.set_num_threads(cfg.cluster.torch_num_threads)
     if cfg.cluster.deterministic:
         enable_determinism()
-    set_seed(cfg.grpo.seed)
+    set_seed(cfg.rollout.seed)
 
     tokenizer = load_tokenizer(cfg)
+    if cfg.algorithm == "ppo":
+        _check_value_vocabulary(cfg, tokenizer)
     dataloader, val_dataloader = build_dataloaders(cfg, tokenizer)
     start_ray_for_run(cfg)
     checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
@@ -133,15 +143,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
 
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
-    policy_kwargs: dict[str, Any] = dict(
-        cluster=cfg.cluster, init_reference_model=cfg.reference_model_needed, max_num_steps=cfg.rollout.max_num_steps
-    )
-    if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
-        from relayrl.models.policy.tq_policy import TQPolicy
-
-        policy: Any = TQPolicy(cfg.policy, tokenizer, dp_cfg=cfg.data_plane, **policy_kwargs)
-    else:
-        policy = Policy(cfg.policy, tokenizer, **policy_kwargs)
+    policy = _build_policy(cfg, tokenizer)
     if last is not None:
         optimizer_dir = last / "policy" / "optimizer"
         policy.load_checkpoint(
@@ -149,17 +151,19 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
             optimizer_path=str(optimizer_dir) if optimizer_dir.is_dir() else None,
         )
         dataloader.load_state_dict(torch.load(last / "train_dataloader.pt", weights_only=False))
-
+    value = None
     try:
-        policy_generation = build_generation(cfg, tokenizer, policy, cfg.grpo.seed)
+        value = _build_value(cfg, tokenizer, last) if cfg.algorithm == "ppo" else None
+        policy_generation = build_generation(cfg, tokenizer, policy, cfg.rollout.seed)
     except BaseException:
+        if value is not None:
+            value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
         policy.shutdown()
         raise
-    task_to_env = build_environments(cfg)
+    task_to_env = build_environments(cfg, _task_names(dataloader, val_dataloader))
     loss_fn = ClippedPGLossFn(effective_loss_config(cfg))
 
-    total_steps = cfg.grpo.max_num_steps
-    logger = Logger(cfg.logger, run_dir, total_steps=total_steps, start_step=save_state.total_steps)
+    logger = Logger(cfg.logger, run_dir, total_steps=cfg.rollout.max_num_steps, start_step=save_state.total_steps)
     dump_config(cfg, run_dir / "config.yaml")
     logger.log_hyperparams(cfg.model_dump(mode="json"))
 
@@ -168,7 +172,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         restore_rng_state(rng["global"])
         policy_generation.set_rng_state(rng["generation"])
         logger.print_message(f"Resumed from {last} (step {save_state.total_steps})")
-    return GRPOComponents(
+    return RunComponents(
         policy=policy,
         policy_generation=policy_generation,
         dataloader=dataloader,
@@ -181,45 +185,122 @@ def setup(cfg: MasterConfig, run_dir: Path) -> GRPOComponents:
         checkpointer=checkpointer,
         save_state=save_state,
         resumed_from=last,
+        value=value,
+        value_loss_fn=MseValueLossFn(cfg.value_loss_fn.scale, cfg.value_loss_fn.value_clip) if value else None,
     )
+
+
+def _build_policy(cfg: MasterConfig, tokenizer: Any) -> Any:
+    """The policy, attached to the data plane (which it bootstraps) when enabled. Its scheduler's horizon counts
+    `train()` calls: one per GRPO step; PPO's `ppo_epochs` per step once the critic warm-up is over."""
+    from relayrl.models.policy.lm_policy import Policy
+
+    horizon = cfg.rollout.max_num_steps
+    if cfg.algorithm == "ppo":
+        p = cfg.ppo
+        horizon = max(1, (p.max_num_steps - p.policy_training_start_step) * p.ppo_epochs)
+    kwargs: dict[str, Any] = dict(
+        cluster=cfg.cluster, init_reference_model=cfg.reference_model_needed, max_num_steps=horizon
+    )
+    if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
+        from relayrl.models.policy.tq_policy import TQPolicy
+
+        return TQPolicy(cfg.policy, tokenizer, dp_cfg=cfg.data_plane, **kwargs)
+    return Policy(cfg.policy, tokenizer, **kwargs)
+
+
+def _build_value(cfg: MasterConfig, tokenizer: Any, last: Path | None) -> Any:
+    """PPO's critic, restored with its optimizer and scheduler from `step_N/value/` on resume."""
+    from relayrl.models.value.lm_value import Value
+
+    weights = optimizer = None
+    if last is not None:
+        if not (last / "value" / "weights").is_dir():
+            raise ValueError(f"checkpoint {last} has no value/weights; it was not written by a PPO run")
+        weights = str(last / "value" / "weights")
+        if (last / "value" / "optimizer").is_dir():
+            optimizer = str(last / "value" / "optimizer")
+    p = cfg.ppo
+    kwargs: dict[str, Any] = dict(
+        cluster=cfg.cluster,
+        weights_path=weights,
+        optimizer_path=optimizer,
+        max_num_steps=p.max_num_steps * p.ppo_epochs,
+    )
+    if cfg.data_plane.enabled:  # attaches to the store the policy bootstrapped
+        from relayrl.models.value.tq_value import TQValue
+
+        return TQValue(cfg.value, tokenizer, dp_cfg=cfg.data_plane, **kwargs)
+    return Value(cfg.value, tokenizer, **kwargs)
+
+
+def _check_value_vocabulary(cfg: MasterConfig, tokenizer: Any) -> None:
+    """The critic reads the policy's token ids, so its embedding table must cover the policy tokenizer."""
+    from transformers import AutoConfig
+
+    from relayrl.utils.paths import resolve_model_path
+
+    source = resolve_model_path(cfg.value.model_name)
+    text_cfg = AutoConfig.from_pretrained(source).get_text_config()
+    vocab = int(getattr(text_cfg, "vocab_size", 0) or 0)
+    if vocab and vocab < len(tokenizer):
+        raise ValueError(
+            f"value.model_name {source} has a vocabulary of {vocab} ids but the policy tokenizer has {len(tokenizer)}; "
+            "the critic must share the policy's tokenizer"
+        )
+
+
+def _task_names(*loaders: Any) -> list[str]:
+    """Task names the datasets' rows use (a Subset is unwrapped), so every one gets an environment."""
+    names: list[str] = []
+    for loader in loaders:
+        dataset = getattr(loader, "dataset", None)
+        dataset = getattr(dataset, "dataset", dataset)
+        names.extend(getattr(dataset, "task_names", []))
+    return names
 
 
 def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
-    if cfg.algorithm == "ppo":
-        from relayrl.algorithms.ppo_setup import run_ppo
-
-        return run_ppo(cfg, run_dir)
-    from relayrl.algorithms.grpo import grpo_train
-    from relayrl.algorithms.grpo_sync import grpo_train_sync
-
-    trainer = grpo_train_sync if cfg.data_plane.enabled else grpo_train
     try:
         c = setup(cfg, run_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
         raise SetupError(str(exc).strip("'\"")) from exc
     try:
-        trainer(
-            c.policy,
-            c.policy_generation,
-            c.dataloader,
-            c.val_dataloader,
-            c.tokenizer,
-            c.loss_fn,
-            c.task_to_env,
-            c.val_task_to_env,
-            c.logger,
-            c.checkpointer,
-            c.save_state,
-            cfg,
-        )
+        _train(cfg, c)
     finally:
         c.logger.close()
         c.policy_generation.shutdown()
+        if c.value is not None:
+            c.value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
         c.policy.shutdown()
         for env in c.task_to_env.values():
             env.shutdown()
     return summarize_run(run_dir)
+
+
+def _train(cfg: MasterConfig, c: RunComponents) -> None:
+    """The trainer `cfg` selects: GRPO or PPO, through the data plane or the driver."""
+    envs, val_envs, loader, val_loader = c.task_to_env, c.val_task_to_env, c.dataloader, c.val_dataloader
+    if cfg.algorithm == "ppo":
+        from relayrl.algorithms.ppo import ppo_train
+        from relayrl.algorithms.ppo_sync import ppo_train_sync
+
+        ppo = ppo_train_sync if cfg.data_plane.enabled else ppo_train
+        assert c.value is not None and c.value_loss_fn is not None
+        ppo(
+            c.policy, c.policy_generation, c.value, loader, val_loader, c.tokenizer, c.loss_fn, c.value_loss_fn,
+            envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
+        )  # fmt: skip
+        return
+    from relayrl.algorithms.grpo import grpo_train
+    from relayrl.algorithms.grpo_sync import grpo_train_sync
+
+    grpo = grpo_train_sync if cfg.data_plane.enabled else grpo_train
+    grpo(
+        c.policy, c.policy_generation, loader, val_loader, c.tokenizer, c.loss_fn,
+        envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
+    )  # fmt: skip
 
 
 def summarize_run(run_dir: Path) -> dict[str, Any]:

@@ -120,7 +120,7 @@ def load_records(cfg: MasterConfig) -> tuple[list[PromptRecord], list[PromptReco
         val = None
         if val_cfg is None and train_cfg.split_validation_size > 0:
             order = list(range(len(train)))
-            random.Random(cfg.grpo.seed).shuffle(order)
+            random.Random(cfg.rollout.seed).shuffle(order)
             num_val = max(1, round(train_cfg.split_validation_size * len(train)))
             if num_val >= len(train):
                 raise ValueError(f"data.train.split_validation_size leaves no training rows out of {len(train)}")
@@ -256,12 +256,12 @@ def build_datasets(cfg: MasterConfig, tokenizer: Any) -> tuple[PromptDataset, Pr
 def build_dataloaders(cfg: MasterConfig, tokenizer: Any) -> tuple[StatefulDataLoader, StatefulDataLoader | None]:
     """Train loader (seeded shuffle, whole batches only, resumable mid-epoch) and validation loader (in order)."""
     train, val = build_datasets(cfg, tokenizer)
-    g = cfg.grpo
-    batch_size = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)
+    g = cfg.rollout
+    batch_size = g.prompts_per_batch
     if len(train) < batch_size:
         raise ValueError(
             f"training set has {len(train)} prompts, fewer than one batch of {batch_size} "
-            "(grpo.num_prompts_per_step, times grpo.batch_multiplier under dynamic sampling)"
+            f"({cfg.algorithm}.num_prompts_per_step, times grpo.batch_multiplier under dynamic sampling)"
         )
     generator = torch.Generator()
     generator.manual_seed(g.seed)

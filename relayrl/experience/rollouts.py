@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
-from relayrl.models.generation.interfaces import GenerationInterface
+from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,16 @@ FLAT_KEYS: dict[str, float] = {
 }
 
 
+class Generator(Protocol):
+    """What a rollout needs of a generation engine: sampling. (Any `GenerationInterface` is one.)"""
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]: ...
+
+
 def run_multi_turn_rollout(
-    policy_generation: GenerationInterface,
+    policy_generation: Generator,
     input_batch: BatchedDataDict,
     tokenizer: Any,
     task_to_env: dict[str, EnvironmentInterface],

@@ -174,7 +174,7 @@ class SyncRolloutActor:
             self.tokenizer,
             task_to_env_override if task_to_env_override is not None else self.task_to_env,
             max_seq_len=cfg.policy.max_total_sequence_length,
-            max_rollout_turns=cfg.grpo.max_rollout_turns,
+            max_rollout_turns=cfg.rollout.max_rollout_turns,
             greedy=greedy,
         )
         bulk = flatten_for_store(

@@ -1,4 +1,4 @@
-"""End to end on CPU: PPO through `run_ppo` (3 steps, critic warm-up, 2 PPO epochs), SIGKILL + exact resume of
+"""End to end on CPU: PPO through `run_training` (3 steps, critic warm-up, 2 PPO epochs), SIGKILL + exact resume of
 policy and critic, on the legacy and the data-plane trainer; and GRPO trained against a learned reward (the
 `reward_model` environment)."""
 
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.algorithms.ppo_setup import run_ppo
+from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
 
 STEPS = 3
 _RUN_PPO = (
-    "import sys; from pathlib import Path; from relayrl.algorithms.ppo_setup import run_ppo; "
-    "from relayrl.utils.config_io import load_config; run_ppo(load_config(None, sys.argv[2:]), Path(sys.argv[1]))"
+    "import sys; from pathlib import Path; from relayrl.algorithms.setup import run_training; "
+    "from relayrl.utils.config_io import load_config; run_training(load_config(None, sys.argv[2:]), Path(sys.argv[1]))"
 )
 
 
@@ -76,7 +76,7 @@ def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, 
     """Both trainers (`ppo_train`, `ppo_train_sync`): metrics, checkpoints of policy and critic, exact resume."""
     overrides = [*_ppo_overrides(tiny_model_dir), f"data_plane.enabled={data_plane}"]
     ref_dir = tmp_path / "uninterrupted"
-    summary = run_ppo(load_config(None, overrides), ref_dir)
+    summary = run_training(load_config(None, overrides), ref_dir)
     assert summary["first_validation"]["step"] == 0 and summary["last_validation"]["step"] == STEPS
     reference = _step_metrics(ref_dir)
     assert sorted(s for s in reference if s > 0) == list(range(1, STEPS + 1))
@@ -114,7 +114,7 @@ def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, 
     proc.wait(timeout=30)
     assert not (run_dir / "checkpoints" / f"step_{STEPS}").exists()
 
-    run_ppo(load_config(None, overrides), run_dir)
+    run_training(load_config(None, overrides), run_dir)
     resumed = _step_metrics(run_dir)
     assert resumed[STEPS] == reference[STEPS], "step 3 differs after resume (policy or critic not restored exactly)"
 

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from relayrl.algorithms.grpo import dynamic_sampling
-from relayrl.algorithms.grpo_common import (
-    early_stop_reached,
-    first_assistant_lengths,
-    post_process_rewards,
-    resolve_logprob_skip_flags,
-    should_validate,
-)
+from relayrl.algorithms.reward_functions import post_process_rewards
+from relayrl.algorithms.runner import early_stop_reached, should_validate
+from relayrl.algorithms.trainer_common import first_assistant_lengths, resolve_logprob_skip_flags
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 
@@ -154,7 +150,10 @@ def test_first_assistant_lengths_and_shaping():
         }
     )
     shaped, unshaped = post_process_rewards(
-        torch.tensor([1.0, 0.8, 0.6, 0.4]), torch.zeros(4, dtype=torch.bool), lambda: first_assistant_lengths(logs), cfg
+        torch.tensor([1.0, 0.8, 0.6, 0.4]),
+        torch.zeros(4, dtype=torch.bool),
+        lambda: first_assistant_lengths(logs),
+        cfg.grpo,
     )
     assert torch.allclose(shaped, torch.tensor([1.0, 0.6, 0.1, -0.6]))
     assert unshaped is not None and torch.allclose(unshaped, torch.tensor([1.0, 0.8, 0.6, 0.4]))

@@ -23,7 +23,6 @@ from relayrl.algorithms.loss_functions import ClippedPGLossFn
 from relayrl.algorithms.ppo import (
     build_ppo_train_data,
     ppo_train,
-    rollout_view,
 )
 from relayrl.algorithms.value_loss import MseValueLossFn
 from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOAdvEstimatorConfig
@@ -257,9 +256,10 @@ def test_estimator_factory_and_raw_reward():
     assert torch.allclose(returns, compute_gae(rewards, values, mask, 1.0, 1.0)[1])
 
 
-def test_rollout_view_carries_the_ppo_block():
+def test_rollout_block_is_the_ppo_block():
+    """Rollout, validation and data code read `cfg.rollout`, which is the PPO block in a PPO run: no GRPO view."""
     cfg = _cfg("unused", val_period=3, overlong_filtering=True, seed=7, max_val_samples=40, val_batch_size=20)
-    view = rollout_view(cfg)
-    assert view.grpo.val_period == 3 and view.grpo.seed == 7 and view.grpo.overlong_filtering
-    assert view.grpo.num_prompts_per_step == 2 and view.grpo.max_val_samples == 40
-    assert view.ppo == cfg.ppo and cfg.grpo.val_period != 3  # the real config is untouched
+    assert cfg.rollout is cfg.ppo
+    assert cfg.rollout.val_period == 3 and cfg.rollout.seed == 7 and cfg.rollout.overlong_filtering
+    assert cfg.rollout.rows_per_step == 2 * cfg.ppo.num_generations_per_prompt and cfg.rollout.max_val_samples == 40
+    assert cfg.grpo.val_period != 3  # the GRPO block keeps its own values

@@ -1,0 +1,209 @@
+"""The outer loop every trainer shares: validation at start, epochs over the train loader, the step tail, shutdown.
+
+A trainer supplies only what is its own: `step(batch, step)` (its named, timed phases) and `validate(step)`.
+Everything around a step (counting, stopping rules, wall-clock budget, checkpoint cadence, what is logged where and
+in which order) lives here once, which is what makes the legacy, data-plane and coming asynchronous trainers log
+the same metrics the same way and stop at the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from relayrl.algorithms.protocols import Checkpointable, Checkpointer, Generation, TrainLogger
+from relayrl.config import MasterConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.utils.checkpoint import GRPOSaveState
+from relayrl.utils.seeding import capture_rng_state
+from relayrl.utils.timer import TimeoutChecker, Timer
+
+__all__ = ["LoopParts", "StepOutput", "TrainerSteps", "early_stop_reached", "run_loop", "save_checkpoint"]
+
+Metrics = dict[str, float]
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What a completed step hands the tail: its `train/*` metrics, rows for samples.jsonl, and extra entries for
+    the returned summary (PPO's `critic` metrics)."""
+
+    metrics: Metrics
+    samples: list[dict[str, object]]
+    extra: dict[str, Metrics] = dataclasses.field(default_factory=dict)
+
+
+class TrainerSteps(Protocol):
+    """A trainer as the loop sees it."""
+
+    def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
+        """Run one step's phases on `batch`; None when the batch was consumed without completing a step (dynamic
+        sampling still collecting groups)."""
+        ...
+
+    def validate(self, step: int) -> Metrics: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class LoopParts:
+    """What the loop needs besides the trainer: the run's config, counters, loader, and the tail's collaborators."""
+
+    cfg: MasterConfig
+    state: GRPOSaveState
+    timer: Timer
+    dataloader: Any  # a StatefulDataLoader: iterated, len()-ed and its state saved
+    checkpointed: Checkpointable  # the policy, or policy and critic
+    policy_generation: Generation
+    checkpointer: Checkpointer
+    logger: TrainLogger
+
+
+def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
+    """Run until max_num_steps / max_num_epochs / early stop / wall-clock budget. Returns the last metrics."""
+    cfg, state, timer, r = parts.cfg, parts.state, parts.timer, parts.cfg.rollout
+    timeout = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
+    timeout.start_iterations()
+    tail = StepTail(parts, timeout, trainer.validate)
+    try:
+        if r.val_at_start and state.total_steps == 0:
+            val_metrics = trainer.validate(0)
+            if early_stop_reached(val_metrics, cfg):
+                return {"validation": val_metrics}
+        last: dict[str, object] = {}
+        while state.current_epoch < r.max_num_epochs and state.total_steps < r.max_num_steps:
+            for batch in parts.dataloader:
+                step = state.total_steps + 1
+                timer.start("total_step_time")
+                out = trainer.step(batch, step)
+                if out is None:
+                    timer.stop("total_step_time")
+                    continue
+                stop, last = tail.finish(step, out.metrics, out.samples)
+                last.update(out.extra)
+                if stop:
+                    return last
+            state.current_epoch += 1
+            state.current_step = 0
+        return last
+    finally:
+        trainer.close()
+
+
+def should_validate(total_steps_done: int, cfg: MasterConfig, is_last_step: bool) -> bool:
+    r = cfg.rollout
+    periodic = r.val_period > 0 and total_steps_done >= r.val_start_at and total_steps_done % r.val_period == 0
+    return periodic or (r.val_at_end and is_last_step)
+
+
+def early_stop_reached(val_metrics: Metrics, cfg: MasterConfig) -> bool:
+    """True when the configured validation metric reached its threshold."""
+    name = cfg.rollout.stop_at_validation_metric
+    if name is None:
+        return False
+    if name not in val_metrics:
+        raise KeyError(
+            f"{cfg.algorithm}.stop_at_validation_metric {name!r} is not a validation metric ({sorted(val_metrics)})"
+        )
+    threshold = cfg.rollout.stop_at_validation_threshold
+    assert threshold is not None  # enforced by MasterConfig
+    return float(val_metrics[name]) >= threshold
+
+
+def save_checkpoint(
+    *,
+    checkpointer: Checkpointer,
+    policy: Checkpointable,
+    policy_generation: Generation,
+    dataloader: Any,
+    state: GRPOSaveState,
+    cfg: MasterConfig,
+    metrics_for_ranking: dict[str, Metrics],
+) -> Path:
+    """Write step_N atomically: tmp dir, weights/optimizer/tokenizer, dataloader and RNG state, then rename."""
+    info: dict[str, object] = dataclasses.asdict(state)
+    metric = cfg.checkpointing.metric_name
+    if metric is not None:
+        source, name = metric.split(":", 1)
+        src = metrics_for_ranking.get(source, {})
+        if name in src:
+            info[metric] = float(src[name])
+    tmp = checkpointer.init_tmp_checkpoint(state.total_steps, info, cfg.model_dump(mode="json"))
+    policy.save_checkpoint(
+        weights_path=str(tmp / "policy" / "weights"),
+        optimizer_path=str(tmp / "policy" / "optimizer") if cfg.checkpointing.save_optimizer else None,
+        tokenizer_path=str(tmp / "policy" / "tokenizer"),
+    )
+    torch.save(dataloader.state_dict(), tmp / "train_dataloader.pt")
+    rng = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
+    torch.save(rng, tmp / "rng_state.pt")
+    return checkpointer.finalize_checkpoint(tmp)
+
+
+class StepTail:
+    """The end of every training step: validate, count, checkpoint, log. One copy for every trainer, so they log the
+    same metrics in the same order."""
+
+    def __init__(self, parts: LoopParts, timeout: TimeoutChecker, run_validation: Callable[[int], Metrics]) -> None:
+        self.parts, self.timeout, self.run_validation = parts, timeout, run_validation
+
+    def is_last_step(self, step: int) -> bool:
+        r, state = self.parts.cfg.rollout, self.parts.state
+        return step >= r.max_num_steps or (
+            state.current_epoch + 1 == r.max_num_epochs and state.current_step + 1 == len(self.parts.dataloader)
+        )
+
+    def finish(self, step: int, metrics: Metrics, samples: list[dict[str, object]]) -> tuple[bool, dict[str, object]]:
+        """Validate if due, update counters, checkpoint if due, log. Returns (stop training, last metrics)."""
+        p = self.parts
+        cfg, state, timer, r = p.cfg, p.state, p.timer, p.cfg.rollout
+        is_last = self.is_last_step(step)
+        val_metrics = self.run_validation(step) if should_validate(step, cfg, is_last) else None
+        stop_early = val_metrics is not None and early_stop_reached(val_metrics, cfg)
+
+        state.total_valid_tokens += int(metrics.get("global_valid_toks", 0))
+        state.consumed_samples += r.num_prompts_per_step
+        state.current_step += 1
+        state.total_steps = step
+        self.timeout.mark_iteration()
+        out_of_time = self.timeout.check_save()
+        if cfg.checkpointing.enabled and (
+            is_last or stop_early or out_of_time or step % cfg.checkpointing.save_period == 0
+        ):
+            with timer.time("checkpointing"):
+                state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None
+                save_checkpoint(
+                    checkpointer=p.checkpointer,
+                    policy=p.checkpointed,
+                    policy_generation=p.policy_generation,
+                    dataloader=p.dataloader,
+                    state=state,
+                    cfg=cfg,
+                    metrics_for_ranking={"val": val_metrics or {}, "train": metrics},
+                )
+        timer.stop("total_step_time")
+        timing = timer.get_timing_metrics("sum")
+        step_time = max(float(timing["total_step_time"]), 1e-9)  # type: ignore[arg-type]  # "sum" gives floats
+        metrics["valid_tokens_per_sec"] = metrics.get("global_valid_toks", 0.0) / step_time
+        p.logger.log_metrics(metrics, step, prefix="train")
+        p.logger.log_metrics(timing, step, prefix="timing/train")
+        perf = {
+            "samples_per_sec": r.rows_per_step / step_time,
+            "tokens_per_sec": metrics["total_num_tokens"] / step_time,
+        }
+        p.logger.log_metrics(perf, step, prefix="performance")
+        refit_metrics = getattr(p.policy_generation, "refit_metrics", None)
+        if callable(refit_metrics):  # separate generation workers (Ray): refit/* time, bytes, ms per MB
+            p.logger.log_metrics(refit_metrics(), step)
+        if samples:
+            p.logger.log_jsonl(samples, "samples.jsonl")
+        timer.reset()
+        stop = stop_early or out_of_time or state.total_steps >= r.max_num_steps
+        if out_of_time:
+            p.logger.print_message("Wall-clock budget reached: checkpoint saved, stopping.")
+        return stop, {"train": metrics, "validation": val_metrics, "timing": timing}

@@ -1,0 +1,219 @@
+"""Step pieces the GRPO and PPO trainers share, legacy and data-plane alike.
+
+Everything here is independent of *where* rollout tensors live, so the trainers call the same code and differ only
+in data movement. Pure math (advantages, rewards, losses) lives in the math modules; the loop around a step in
+`runner.py`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from relayrl.algorithms.protocols import Checkpointable
+from relayrl.algorithms.utils import aggregate_train_metrics, mean_over_epochs, policy_train_metrics
+from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.environments.interfaces import MessageLog
+from relayrl.utils.timer import Timer
+
+
+def on_policy_single_step(cfg: MasterConfig) -> bool:
+    """True when `grpo.skip_prev_logprobs_when_on_policy` applies: every training step is exactly one optimizer
+    step on rollouts of the current weights, so a separate old-policy logprob pass would recompute what the
+    training forward already has."""
+    g, loss = cfg.grpo, cfg.loss_fn
+    return (
+        cfg.algorithm == "grpo"
+        and g.skip_prev_logprobs_when_on_policy
+        and g.rows_per_step == cfg.policy.train_global_batch_size
+        and g.seq_logprob_error_threshold is None
+        and not loss.use_cispo
+        and not loss.disable_ppo_ratio
+    )
+
+
+def effective_loss_config(cfg: MasterConfig) -> ClippedPGLossConfig:
+    """The loss config the trainer actually uses: the ratio is forced on-policy when the prev pass is skipped."""
+    if on_policy_single_step(cfg) and not cfg.loss_fn.force_on_policy_ratio:
+        return cfg.loss_fn.model_copy(update={"force_on_policy_ratio": True})
+    return cfg.loss_fn
+
+
+def resolve_logprob_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:
+    """(skip_prev_logprobs, skip_reference_logprobs) for this config.
+
+    Prev logprobs are only skippable when the ratio is forced to 1 and no logprob-error threshold needs them.
+    """
+    loss = effective_loss_config(cfg)
+    threshold = cfg.rollout.seq_logprob_error_threshold
+    skip_prev = loss.force_on_policy_ratio and threshold is None
+    if loss.force_on_policy_ratio and threshold is not None:
+        warnings.warn(
+            "force_on_policy_ratio with seq_logprob_error_threshold: prev logprobs are still computed",
+            stacklevel=2,
+        )
+    return skip_prev, not cfg.reference_model_needed
+
+
+def first_assistant_lengths(message_logs: list[MessageLog]) -> torch.Tensor:
+    """Token count of each row's first assistant message (the response length DAPO shaping penalises)."""
+    lengths = []
+    for i, log in enumerate(message_logs):
+        msg = next((m for m in log if m["role"] == "assistant"), None)
+        if msg is None:
+            raise ValueError(f"row {i} has no assistant message to measure for reward shaping")
+        lengths.append(len(msg["token_ids"]))
+    return torch.tensor(lengths, dtype=torch.long)  # [B]
+
+
+def step_metrics(
+    *,
+    train_results: dict[str, Any],
+    reward_for_log: torch.Tensor,
+    filtered_reward: torch.Tensor | None,
+    prompt_lengths: torch.Tensor,
+    input_lengths: torch.Tensor,
+    adv_metrics: dict[str, float],
+    rollout_metrics: dict[str, Any],
+    seq_err_metrics: dict[str, float],
+    ds_metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """The `train/*` metrics of a GRPO step, assembled the same way by both trainers."""
+    metrics = aggregate_train_metrics(train_results["all_mb_metrics"])
+    metrics.update(
+        loss=float(train_results["loss"].sum()),
+        grad_norm=float(train_results["grad_norm"]),
+        reward=float(reward_for_log.float().mean()),
+        mean_prompt_length=float(prompt_lengths.float().mean()),
+        total_num_tokens=float(input_lengths.sum()),
+        **adv_metrics,
+        **rollout_metrics,
+        **seq_err_metrics,
+        **ds_metrics,
+    )
+    if filtered_reward is not None:
+        metrics["filtered_reward"] = float(filtered_reward.float().mean())
+    return metrics
+
+
+def rollout_carry_keys(base: list[str], reward_shaping: bool, num_samples_to_log: int) -> list[str]:
+    """The per-row values a data-plane trainer takes back from the rollout actor (shaping and sample logging add
+    their own)."""
+    return (
+        base + (["response_token_lengths"] if reward_shaping else []) + (["sample_text"] if num_samples_to_log else [])
+    )
+
+
+def carry_sample_rows(carry: Any, rewards: torch.Tensor, step: int, n: int) -> list[dict]:
+    """`sample_rows` of a data-plane carry: its `sample_text` exists only for the rows the rollout sent text for."""
+    if "sample_text" not in carry:
+        return []
+    rows = [i for i, text in enumerate(carry["sample_text"]) if text is not None]
+    texts = [carry["sample_text"][i] for i in rows]
+    return sample_rows([t[0] for t in texts], [t[1] for t in texts], rewards[rows], step, n)
+
+
+def message_log_sample_rows(
+    message_logs: list[MessageLog], rewards: torch.Tensor, step: int, cfg: MasterConfig
+) -> list[dict[str, object]]:
+    """`sample_rows` of driver-side message logs: prompt = system and user turns, completion = assistant turns."""
+    return sample_rows(
+        ["".join(m["content"] for m in log if m["role"] in ("system", "user")) for log in message_logs],
+        ["".join(m["content"] for m in log if m["role"] == "assistant") for log in message_logs],
+        rewards,
+        step,
+        cfg.logger.num_train_samples_to_log,
+    )
+
+
+def sample_rows(prompts: list[str], completions: list[str], rewards: torch.Tensor, step: int, n: int) -> list[dict]:
+    """A few prompts/completions/rewards of the step for samples.jsonl."""
+    return [
+        {"step": step, "prompt": p, "completion": c, "reward": float(r)}
+        for p, c, r in list(zip(prompts, completions, rewards.tolist()))[:n]
+    ]
+
+
+def driver_nbytes(batch: BatchedDataDict) -> int:
+    """Bytes of every tensor in `batch`: what the legacy path moves through the driver."""
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------------- PPO
+class PolicyAndCritic:
+    """Lets the shared checkpoint writer save the critic beside the policy: step_N/value/{weights,optimizer,tokenizer}."""
+
+    def __init__(self, policy: Checkpointable, value: Checkpointable) -> None:
+        self.policy, self.value = policy, value
+
+    def save_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
+    ) -> None:
+        self.policy.save_checkpoint(weights_path, optimizer_path, tokenizer_path)
+        root = Path(weights_path).parent.parent / "value"
+        optimizer = str(root / "optimizer") if optimizer_path is not None else None
+        self.value.save_checkpoint(str(root / "weights"), optimizer, str(root / "tokenizer"))
+
+
+class Trainable(Protocol):
+    def prepare_for_training(self) -> None: ...
+    def finish_training(self) -> None: ...
+
+
+def ppo_epochs(
+    timer: Timer,
+    p: PPOConfig,
+    step: int,
+    value: Trainable,
+    train_value: Callable[[], dict[str, Any]],
+    policy: Trainable,
+    train_policy: Callable[[], dict[str, Any]],
+) -> tuple[bool, dict[str, float], dict[str, float]]:
+    """`ppo_epochs` × (critic update, then actor update unless still in the critic warm-up).
+
+    Returns (policy trained, critic metrics, policy metrics), each metric one number over the epochs.
+    """
+    policy_trains = step - 1 >= p.policy_training_start_step  # steps already done, as the warm-up counts them
+    critic_results, policy_results = [], []
+    for _ in range(p.ppo_epochs):
+        with timer.time("value_training"):
+            value.prepare_for_training()
+            critic_results.append(train_value())
+            value.finish_training()
+        if policy_trains:
+            with timer.time("policy_training"):
+                policy.prepare_for_training()
+                policy_results.append(train_policy())
+                policy.finish_training()
+    critic_metrics = mean_over_epochs([r["metrics"] for r in critic_results])
+    metrics = mean_over_epochs([policy_train_metrics(r) for r in policy_results])
+    metrics.setdefault("global_valid_toks", critic_metrics.get("global_valid_toks", 0.0))
+    return policy_trains, critic_metrics, metrics
+
+
+def ppo_step_metrics(
+    rewards: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    total_num_tokens: float,
+    policy_trained: bool,
+    adv_metrics: dict[str, float],
+    rollout_metrics: dict[str, float],
+    seq_err_metrics: dict[str, float],
+    filter_metrics: dict[str, float],
+) -> dict[str, float]:
+    """The `train/*` metrics of a PPO step besides the update's and the byte counters, in both trainers' order."""
+    return dict(
+        reward=float(rewards.float().mean()),
+        mean_prompt_length=float(prompt_lengths.float().mean()),
+        total_num_tokens=total_num_tokens,
+        policy_trained=float(policy_trained),
+        **adv_metrics,
+        **rollout_metrics,
+        **seq_err_metrics,
+        **filter_metrics,
+    )

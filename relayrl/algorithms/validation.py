@@ -1,0 +1,150 @@
+"""Validation for every trainer: roll out the held-out prompts, report accuracy, pass@k and length.
+
+The legacy trainers roll validation batches out in the driver (`validate`), the data-plane trainers through the
+rollout actor into a per-batch `val` partition (`validate_sync`). Only that one call differs; the batching, the
+metrics and their logging are `_validate_batches`, so both paths report identical numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from relayrl.algorithms.protocols import DataPlanePolicy, Generation, RolloutActor
+from relayrl.config import MasterConfig
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.environments.interfaces import EnvironmentInterface
+from relayrl.experience.rollouts import run_multi_turn_rollout
+from relayrl.utils.logger import Logger
+
+__all__ = ["validate", "validate_sync", "validation_runner"]
+
+Envs = dict[str, EnvironmentInterface]
+#: One validation batch rolled out: (rewards [B], mean generated tokens per sample, samples for val_data_step*.jsonl)
+BatchRollout = Callable[[BatchedDataDict], tuple[torch.Tensor, float, list[dict[str, object]]]]
+
+
+def validate(
+    policy_generation: Generation,
+    val_dataloader: Any,
+    tokenizer: Any,
+    val_task_to_env: Envs | None,
+    step: int,
+    master_config: MasterConfig,
+    logger: Logger | None = None,
+) -> dict[str, float]:
+    """Roll out the validation prompts in the driver (k generations each); accuracy, pass@k and length."""
+    if val_dataloader is None or val_task_to_env is None:
+        return {}
+    cfg = master_config
+
+    def rollout(repeated: BatchedDataDict) -> tuple[torch.Tensor, float, list[dict[str, object]]]:
+        repeated, metrics = run_multi_turn_rollout(
+            policy_generation,
+            repeated,
+            tokenizer,
+            val_task_to_env,
+            max_seq_len=cfg.policy.max_total_sequence_length,
+            max_rollout_turns=cfg.rollout.max_rollout_turns,
+            greedy=cfg.rollout.val_greedy,
+        )
+        logs = [[{"role": m["role"], "content": m["content"]} for m in log] for log in repeated["message_log"]]
+        return repeated["total_reward"], metrics["mean_gen_tokens_per_sample"], _samples(logs, repeated)
+
+    return _validate_batches(val_dataloader, rollout, step, cfg, logger)
+
+
+def validate_sync(
+    *,
+    rollout_actor: RolloutActor,
+    policy: DataPlanePolicy,
+    val_dataloader: Any,
+    val_task_to_env: Envs | None,
+    step: int,
+    master_config: MasterConfig,
+    logger: Logger | None = None,
+    partition_id: str = "val",
+) -> dict[str, float]:
+    """Validation through the data plane: per batch, a `val` partition, one rollout_to_tq, then clear.
+
+    The caller prepares and finishes generation around the whole validation, so inference state stays warm across
+    batches. Accuracy, pass@k and average length match the legacy `validate`.
+    """
+    if val_dataloader is None or val_task_to_env is None:
+        return {}
+    k = master_config.rollout.val_num_generations_per_prompt
+
+    def rollout(repeated: BatchedDataDict) -> tuple[torch.Tensor, float, list[dict[str, object]]]:
+        policy.prepare_val_partition(repeated.size, partition_id=partition_id)
+        meta, carry, metrics, _ = rollout_actor.rollout_to_tq(
+            repeated,
+            partition_id=partition_id,
+            group_size=k,
+            first_iter=False,
+            finish_generation=False,
+            task_to_env_override=val_task_to_env,
+            carry_keys=["total_reward", "message_log"],
+            greedy=master_config.rollout.val_greedy,
+        )
+        policy.finish_step(meta)
+        return carry["total_reward"], metrics["mean_gen_tokens_per_sample"], _samples(carry["message_log"], carry)
+
+    return _validate_batches(val_dataloader, rollout, step, master_config, logger)
+
+
+def _samples(logs: list[Any], batch: BatchedDataDict) -> list[dict[str, object]]:
+    return [{"content": log, "rewards": r} for log, r in zip(logs, batch["total_reward"].tolist())]
+
+
+def _validate_batches(
+    val_dataloader: Any, rollout: BatchRollout, step: int, cfg: MasterConfig, logger: Logger | None
+) -> dict[str, float]:
+    """Up to `max_val_samples` prompts, k generations each, through `rollout`; the metrics both paths report."""
+    r = cfg.rollout
+    k = r.val_num_generations_per_prompt
+    t0 = time.perf_counter()
+    all_rewards: list[torch.Tensor] = []
+    lengths: list[float] = []
+    samples: list[dict[str, object]] = []
+    seen = 0
+    for batch in val_dataloader:
+        if seen >= r.max_val_samples:
+            break
+        batch = batch.slice(0, min(batch.size, r.max_val_samples - seen))
+        seen += batch.size
+        rewards, mean_length, batch_samples = rollout(batch.repeat_interleave(k))
+        all_rewards.append(rewards.float())  # [B * k]
+        lengths.append(mean_length)
+        samples.extend(batch_samples)
+    rewards = torch.cat(all_rewards) if all_rewards else torch.zeros(0)
+    val_metrics: dict[str, float] = {
+        "accuracy": rewards.mean().item() if rewards.numel() else 0.0,
+        "avg_length": sum(lengths) / max(len(lengths), 1),
+        "num_samples": int(rewards.numel()),
+    }
+    if k > 1:
+        val_metrics["pass_k"] = (rewards.view(-1, k) > 0).any(dim=1).float().mean().item()
+    if logger is not None:
+        logger.log_jsonl(samples, f"val_data_step{step}.jsonl")
+        logger.log_metrics({"total_validation_time": time.perf_counter() - t0}, step, prefix="timing/validation")
+    return val_metrics
+
+
+def validation_runner(
+    policy_generation: Generation, logger: Logger, validate_at: Callable[[int], dict[str, float]]
+) -> Callable[[int], dict[str, float]]:
+    """`run_validation(step)` of a trainer: generation prepared around the whole validation, metrics logged under
+    `validation/`."""
+
+    def run_validation(step: int) -> dict[str, float]:
+        policy_generation.prepare_for_generation()
+        val_metrics = validate_at(step)
+        policy_generation.finish_generation()
+        if val_metrics:
+            logger.log_metrics(val_metrics, step, prefix="validation")
+        return val_metrics
+
+    return run_validation
