@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -21,7 +20,7 @@ from relayrl.algorithms.advantages import (
 )
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
-from relayrl.algorithms.protocols import Generation, Policy
+from relayrl.algorithms.protocols import BatchLoader, Generation, Policy, Tokenizer
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -52,9 +51,9 @@ __all__ = ["GRPOSaveState", "GRPOSteps", "dynamic_sampling", "grpo_train", "vali
 def grpo_train(
     policy: Policy,
     policy_generation: Generation,
-    dataloader: Any,
-    val_dataloader: Any,
-    tokenizer: Any,
+    dataloader: BatchLoader,
+    val_dataloader: BatchLoader | None,
+    tokenizer: Tokenizer,
     loss_fn: LossFunction,
     task_to_env: Envs,
     val_task_to_env: Envs | None,
@@ -91,7 +90,7 @@ class GRPOSteps:
         self,
         policy: Policy,
         policy_generation: Generation,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         loss_fn: LossFunction,
         task_to_env: Envs,
         logger: Logger,
@@ -269,7 +268,7 @@ def dynamic_sampling(
     cfg: MasterConfig,
     batch_cache: BatchedDataDict | None = None,
     pad_value_dict: dict[str, int] | None = None,
-) -> tuple[BatchedDataDict, bool, BatchedDataDict | None, dict[str, Any]]:
+) -> tuple[BatchedDataDict, bool, BatchedDataDict | None, dict[str, float]]:
     """DAPO dynamic sampling on a BatchedDataDict. Returns (batch, is_complete, cache, metrics).
 
     Rows whose group has zero reward std carry no learning signal and are dropped; survivors accumulate across
@@ -289,7 +288,7 @@ def dynamic_sampling(
         batch_cache = (
             filtered if batch_cache is None else BatchedDataDict.from_batches([batch_cache, filtered], pad_value_dict)
         )
-    metrics: dict[str, Any] = {"dynamic_sampling_num_gen_batches": num_gen_batches}
+    metrics: dict[str, float] = {"dynamic_sampling_num_gen_batches": num_gen_batches}
     have = 0 if batch_cache is None else batch_cache.size
     if have < target:
         if num_gen_batches > g.dynamic_sampling_max_gen_batches:

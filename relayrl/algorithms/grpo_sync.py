@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import pickle
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -27,7 +26,7 @@ from relayrl.algorithms.advantages import (
 )
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
-from relayrl.algorithms.protocols import DataPlanePolicy, Generation, RolloutActor
+from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -63,9 +62,9 @@ _CARRY = ["total_reward", "loss_multiplier", "truncated", "length", "prompt_grou
 def grpo_train_sync(
     policy: DataPlanePolicy,
     policy_generation: Generation,
-    wrapped_dataloader: Any,
-    val_dataloader: Any,
-    tokenizer: Any,
+    wrapped_dataloader: BatchLoader,
+    val_dataloader: BatchLoader | None,
+    tokenizer: Tokenizer,
     loss_fn: LossFunction,
     task_to_env: Envs,
     val_task_to_env: Envs | None,
@@ -348,7 +347,7 @@ def _apply_dynamic_sampling(
     num_gen_batches: int,
     max_gen_batches: int,
     policy: DataPlanePolicy,
-) -> tuple[KVBatchMeta | None, BatchedDataDict | None, list[torch.Tensor], bool, dict[str, Any], torch.Tensor | None]:
+) -> tuple[KVBatchMeta | None, BatchedDataDict | None, list[torch.Tensor], bool, dict[str, float], torch.Tensor | None]:
     """One dynamic-sampling iteration on metadata: drop zero-std rows (and their keys from the store), merge the
     survivors into the pending cache, report whether it reached `train_prompts_size` rows.
 
@@ -373,7 +372,7 @@ def _apply_dynamic_sampling(
             pending_meta = pending_meta.concat(surv_meta)
             pending_carry = BatchedDataDict.from_batches([pending_carry, surv_carry])
     have = 0 if pending_meta is None else pending_meta.size
-    metrics: dict[str, Any] = {"dynamic_sampling_num_gen_batches": num_gen_batches}
+    metrics: dict[str, float] = {"dynamic_sampling_num_gen_batches": num_gen_batches}
     if have < train_prompts_size:
         if num_gen_batches > max_gen_batches:
             if pending_meta is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from relayrl.config import MasterConfig
 
@@ -21,11 +20,11 @@ _NOT_COMPARED = ("timing/", "performance/", "data_plane/", "refit/")
 _NOT_COMPARED_NAMES = ("per_sec", "bytes", "fraction")
 
 
-def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> dict[str, Any]:
+def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> dict[str, object]:
     """Train `cfg` twice (legacy, data plane) under `out_dir`; return per-metric largest differences."""
     from relayrl.algorithms.setup import run_training
 
-    updates: dict[str, Any] = {"cluster": cfg.cluster.model_copy(update={"deterministic": True})}
+    updates: dict[str, object] = {"cluster": cfg.cluster.model_copy(update={"deterministic": True})}
     if steps is not None:
         updates[cfg.algorithm] = cfg.rollout.model_copy(update={"max_num_steps": steps})
     base = cfg.model_copy(update=updates)
@@ -36,7 +35,7 @@ def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> di
     return compare_runs(out_dir / "legacy", out_dir / "data_plane")
 
 
-def compare_runs(legacy_dir: Path, sync_dir: Path) -> dict[str, Any]:
+def compare_runs(legacy_dir: Path, sync_dir: Path) -> dict[str, object]:
     """{metric: largest |difference| over steps}, plus metrics or steps that one run lacks."""
     a, b = _per_step(legacy_dir), _per_step(sync_dir)
     diffs: dict[str, float] = {}
@@ -53,7 +52,7 @@ def compare_runs(legacy_dir: Path, sync_dir: Path) -> dict[str, Any]:
     return {"max_abs_diff": diffs, "missing": missing, "steps": sorted(a)}
 
 
-def _difference(x: Any, y: Any) -> float:
+def _difference(x: object, y: object) -> float:
     if isinstance(x, bool) or isinstance(y, bool) or not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
         return 0.0 if x == y else math.inf
     if math.isnan(x) and math.isnan(y):
@@ -61,8 +60,8 @@ def _difference(x: Any, y: Any) -> float:
     return abs(float(x) - float(y))
 
 
-def _per_step(run_dir: Path) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
+def _per_step(run_dir: Path) -> dict[int, dict[str, object]]:
+    out: dict[int, dict[str, object]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         kept = {

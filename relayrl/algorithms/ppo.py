@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ from relayrl.algorithms.gae import (
 )
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
-from relayrl.algorithms.protocols import Generation, Policy, Value
+from relayrl.algorithms.protocols import BatchLoader, Generation, Policy, Tokenizer, Value
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -55,9 +54,9 @@ def ppo_train(
     policy: Policy,
     policy_generation: Generation,
     value: Value,
-    dataloader: Any,
-    val_dataloader: Any,
-    tokenizer: Any,
+    dataloader: BatchLoader,
+    val_dataloader: BatchLoader | None,
+    tokenizer: Tokenizer,
     loss_fn: LossFunction,
     value_loss_fn: LossFunction,
     task_to_env: Envs,
@@ -98,7 +97,7 @@ class PPOSteps:
         policy: Policy,
         policy_generation: Generation,
         value: Value,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         loss_fn: LossFunction,
         value_loss_fn: LossFunction,
         task_to_env: Envs,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -34,7 +33,14 @@ from relayrl.algorithms.gae import (
 )
 from relayrl.algorithms.grpo_sync import _compute_seq_logprob_error_metrics
 from relayrl.algorithms.interfaces import LossFunction
-from relayrl.algorithms.protocols import DataPlanePolicy, DataPlaneValue, Generation, RolloutActor
+from relayrl.algorithms.protocols import (
+    BatchLoader,
+    DataPlanePolicy,
+    DataPlaneValue,
+    Generation,
+    RolloutActor,
+    Tokenizer,
+)
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -64,9 +70,9 @@ def ppo_train_sync(
     policy: DataPlanePolicy,
     policy_generation: Generation,
     value: DataPlaneValue,
-    dataloader: Any,
-    val_dataloader: Any,
-    tokenizer: Any,
+    dataloader: BatchLoader,
+    val_dataloader: BatchLoader | None,
+    tokenizer: Tokenizer,
     loss_fn: LossFunction,
     value_loss_fn: LossFunction,
     task_to_env: Envs,

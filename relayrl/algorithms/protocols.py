@@ -8,9 +8,9 @@ that has the methods. The legacy trainers use `Policy` / `Value`; the data-plane
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
@@ -21,7 +21,11 @@ from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from relayrl.utils.timer import Timer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = [
+    "BatchLoader",
     "Checkpointable",
     "Checkpointer",
     "DataPlanePolicy",
@@ -29,9 +33,22 @@ __all__ = [
     "Generation",
     "Policy",
     "RolloutActor",
+    "Tokenizer",
     "TrainLogger",
     "Value",
 ]
+
+
+#: The run's Hugging Face tokenizer (any fast or slow tokenizer with a chat template).
+Tokenizer: TypeAlias = "PreTrainedTokenizerBase"
+
+
+class BatchLoader(Protocol):
+    """The train or validation loader: batches of prompts, a length, and (train) a resumable position."""
+
+    def __iter__(self) -> Iterator[BatchedDataDict]: ...
+    def __len__(self) -> int: ...
+    def state_dict(self) -> dict[str, object]: ...
 
 
 class Generation(Protocol):
@@ -150,7 +167,7 @@ class RolloutActor(Protocol):
         greedy: bool = ...,
         wire: bool = ...,
         text_rows: int | None = ...,
-    ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]: ...
+    ) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], dict[str, float]]: ...
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]: ...
     def shutdown(self) -> bool: ...
 

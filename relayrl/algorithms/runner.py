@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from relayrl.algorithms.protocols import Checkpointable, Checkpointer, Generation, TrainLogger
+from relayrl.algorithms.protocols import BatchLoader, Checkpointable, Checkpointer, Generation, TrainLogger
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.utils.checkpoint import GRPOSaveState
@@ -57,7 +57,7 @@ class LoopParts:
     cfg: MasterConfig
     state: GRPOSaveState
     timer: Timer
-    dataloader: Any  # a StatefulDataLoader: iterated, len()-ed and its state saved
+    dataloader: BatchLoader
     checkpointed: Checkpointable  # the policy, or policy and critic
     policy_generation: Generation
     checkpointer: Checkpointer
@@ -120,7 +120,7 @@ def save_checkpoint(
     checkpointer: Checkpointer,
     policy: Checkpointable,
     policy_generation: Generation,
-    dataloader: Any,
+    dataloader: BatchLoader,
     state: GRPOSaveState,
     cfg: MasterConfig,
     metrics_for_ranking: dict[str, Metrics],

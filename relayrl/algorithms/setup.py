@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from relayrl.algorithms.interfaces import LossFunction
+from relayrl.algorithms.protocols import BatchLoader, Generation, Tokenizer
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
@@ -34,9 +35,9 @@ class RunComponents:
 
     policy: Any  # Policy, or TQPolicy on the data plane
     policy_generation: Any  # HfGeneration, or DistributedGeneration on Ray
-    dataloader: Any
-    val_dataloader: Any
-    tokenizer: Any
+    dataloader: BatchLoader
+    val_dataloader: BatchLoader | None
+    tokenizer: Tokenizer
     loss_fn: LossFunction
     task_to_env: dict[str, EnvironmentInterface]
     val_task_to_env: dict[str, EnvironmentInterface] | None
@@ -48,7 +49,7 @@ class RunComponents:
     value_loss_fn: LossFunction | None = None
 
 
-def load_tokenizer(cfg: MasterConfig) -> Any:
+def load_tokenizer(cfg: MasterConfig) -> Tokenizer:
     """Tokenizer of `policy.tokenizer.name` (default: the model's); pad falls back to eos, as users expect."""
     from transformers import AutoTokenizer
 
@@ -89,7 +90,7 @@ def start_ray_for_run(cfg: MasterConfig) -> None:
     ensure_ray(c.model_copy(update={"num_nodes": 1, "workers_per_node": ranks}))
 
 
-def build_generation(cfg: MasterConfig, tokenizer: Any, policy: Any, seed: int) -> Any:
+def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: Any, seed: int) -> Generation:
     """The generation engine: in-process over the policy's live weights (local executor), or Ray generation
     workers kept in sync by refit (Ray executor)."""
     if cfg.cluster.executor == "ray":
@@ -190,7 +191,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     )
 
 
-def _build_policy(cfg: MasterConfig, tokenizer: Any) -> Any:
+def _build_policy(cfg: MasterConfig, tokenizer: Tokenizer) -> Any:
     """The policy, attached to the data plane (which it bootstraps) when enabled. Its scheduler's horizon counts
     `train()` calls: one per GRPO step; PPO's `ppo_epochs` per step once the critic warm-up is over."""
     from relayrl.models.policy.lm_policy import Policy
@@ -209,7 +210,7 @@ def _build_policy(cfg: MasterConfig, tokenizer: Any) -> Any:
     return Policy(cfg.policy, tokenizer, **kwargs)
 
 
-def _build_value(cfg: MasterConfig, tokenizer: Any, last: Path | None) -> Any:
+def _build_value(cfg: MasterConfig, tokenizer: Tokenizer, last: Path | None) -> Any:
     """PPO's critic, restored with its optimizer and scheduler from `step_N/value/` on resume."""
     from relayrl.models.value.lm_value import Value
 
@@ -234,7 +235,7 @@ def _build_value(cfg: MasterConfig, tokenizer: Any, last: Path | None) -> Any:
     return Value(cfg.value, tokenizer, **kwargs)
 
 
-def _check_value_vocabulary(cfg: MasterConfig, tokenizer: Any) -> None:
+def _check_value_vocabulary(cfg: MasterConfig, tokenizer: Tokenizer) -> None:
     """The critic reads the policy's token ids, so its embedding table must cover the policy tokenizer."""
     from transformers import AutoConfig
 
@@ -250,7 +251,7 @@ def _check_value_vocabulary(cfg: MasterConfig, tokenizer: Any) -> None:
         )
 
 
-def _task_names(*loaders: Any) -> list[str]:
+def _task_names(*loaders: object) -> list[str]:
     """Task names the datasets' rows use (a Subset is unwrapped), so every one gets an environment."""
     names: list[str] = []
     for loader in loaders:
@@ -260,7 +261,7 @@ def _task_names(*loaders: Any) -> list[str]:
     return names
 
 
-def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, Any]:
+def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, object]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
     try:
         c = setup(cfg, run_dir)
@@ -303,7 +304,7 @@ def _train(cfg: MasterConfig, c: RunComponents) -> None:
     )  # fmt: skip
 
 
-def summarize_run(run_dir: Path) -> dict[str, Any]:
+def summarize_run(run_dir: Path) -> dict[str, object]:
     """Validation accuracy at the first and last validation in metrics.jsonl (across resumes)."""
     accs: list[tuple[int, float]] = []
     path = run_dir / "metrics.jsonl"

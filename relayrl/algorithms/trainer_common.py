@@ -79,10 +79,10 @@ def step_metrics(
     prompt_lengths: torch.Tensor,
     input_lengths: torch.Tensor,
     adv_metrics: dict[str, float],
-    rollout_metrics: dict[str, Any],
+    rollout_metrics: dict[str, float],
     seq_err_metrics: dict[str, float],
-    ds_metrics: dict[str, Any],
-) -> dict[str, Any]:
+    ds_metrics: dict[str, float],
+) -> dict[str, float]:
     """The `train/*` metrics of a GRPO step, assembled the same way by both trainers."""
     metrics = aggregate_train_metrics(train_results["all_mb_metrics"])
     metrics.update(
@@ -109,7 +109,7 @@ def rollout_carry_keys(base: list[str], reward_shaping: bool, num_samples_to_log
     )
 
 
-def carry_sample_rows(carry: Any, rewards: torch.Tensor, step: int, n: int) -> list[dict]:
+def carry_sample_rows(carry: BatchedDataDict, rewards: torch.Tensor, step: int, n: int) -> list[dict]:
     """`sample_rows` of a data-plane carry: its `sample_text` exists only for the rows the rollout sent text for."""
     if "sample_text" not in carry:
         return []

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from relayrl.algorithms.protocols import DataPlanePolicy, Generation, RolloutActor
+from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface
@@ -29,8 +29,8 @@ BatchRollout = Callable[[BatchedDataDict], tuple[torch.Tensor, float, list[dict[
 
 def validate(
     policy_generation: Generation,
-    val_dataloader: Any,
-    tokenizer: Any,
+    val_dataloader: BatchLoader | None,
+    tokenizer: Tokenizer,
     val_task_to_env: Envs | None,
     step: int,
     master_config: MasterConfig,
@@ -61,7 +61,7 @@ def validate_sync(
     *,
     rollout_actor: RolloutActor,
     policy: DataPlanePolicy,
-    val_dataloader: Any,
+    val_dataloader: BatchLoader | None,
     val_task_to_env: Envs | None,
     step: int,
     master_config: MasterConfig,
@@ -100,7 +100,7 @@ def _samples(logs: list[Any], batch: BatchedDataDict) -> list[dict[str, object]]
 
 
 def _validate_batches(
-    val_dataloader: Any, rollout: BatchRollout, step: int, cfg: MasterConfig, logger: Logger | None
+    val_dataloader: BatchLoader, rollout: BatchRollout, step: int, cfg: MasterConfig, logger: Logger | None
 ) -> dict[str, float]:
     """Up to `max_val_samples` prompts, k generations each, through `rollout`; the metrics both paths report."""
     r = cfg.rollout
