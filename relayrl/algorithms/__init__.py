@@ -1,1 +1,14 @@
-"""algorithms."""
+"""The algorithms, in two layers.
+
+Math (pure functions on tensors and config values; they import only torch, `relayrl.config` and each other):
+`advantages` (GRPO / Reinforce++ estimators, clipping, advantage metrics), `gae` (GAE, PPO estimators, the sharded
+whitening the data-plane critic runs), `loss_functions` (clipped policy-gradient losses, KL), `value_loss`,
+`logprob_error`, `reward_functions` (scaling, shaping), `utils` (masked statistics, metric aggregation),
+`interfaces` (the loss-function contract). `relayrl.models` may import these, never the trainers.
+
+Trainers (may import everything below them: models, experience, environments, data_plane, distributed, utils,
+config; never `relayrl.cli`): `runner` (the one outer loop and step tail), `validation`, `setup` (one set-up for
+every trainer), `protocols` (the seams a trainer calls), `trainer_common` (step pieces the trainers share), and the
+trainers themselves, each holding only its step phases: `grpo` / `grpo_sync` and `ppo` / `ppo_sync` (legacy and
+data-plane, side by side); `evaluate` and `parity` serve the CLI.
+"""
