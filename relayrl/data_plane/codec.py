@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -194,6 +194,31 @@ class Column:
         if lens.numel() and longest == width and bool((lens == width).all()):
             return width, None
         return width, self.offsets
+
+
+class FieldSpec(NamedTuple):
+    """A field's layout as fixed by its first write in a partition; later writes must match it (nothing is cast)."""
+
+    jagged: bool
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    trailing: tuple[int, ...]
+
+    @classmethod
+    def of(cls, col: Column) -> FieldSpec:
+        return cls(col.is_jagged, str(col.dtype).removeprefix("torch."), col.trailing_shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def width(self) -> int:
+        """Payload bytes of one token (jagged) or one row (dense)."""
+        return math.prod(self.trailing) * self.torch_dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{'jagged' if self.jagged else 'dense'} torch.{self.dtype} trailing shape {self.trailing}"
 
 
 def as_column(name: str, value: Any) -> Column:

@@ -16,13 +16,16 @@ from typing import Any
 
 import torch
 
-from relayrl.data_plane.codec import Column
+from relayrl.data_plane.codec import Column, as_column
 
 FieldValue = Column | torch.Tensor
 """What a put accepts per field: a Column, a plain tensor (dense, row i = t[i]) or a jagged nested tensor."""
 
 FieldBatch = dict[str, Column]
 """What a get returns: one Column per selected field, rows in the requested key order."""
+
+Tags = dict[str, Any]
+"""One sample's tags: primitive values by name (the same dicts `KVBatchMeta.tags` carries)."""
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -41,8 +44,8 @@ class UnknownPartitionError(_KeyLikeError):
     """The partition was never registered (or was closed)."""
 
 
-class MissingKeysError(_KeyLikeError):
-    """Some requested keys are not in the partition; `.missing` lists them."""
+class _NamesKeysError(_KeyLikeError):
+    """A key error that lists the keys at fault in `.missing`."""
 
     def __init__(self, message: str, missing: Sequence[str]):
         super().__init__(message)
@@ -50,21 +53,18 @@ class MissingKeysError(_KeyLikeError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray processes despite the extra argument
         return (type(self), (self.args[0], self.missing))
+
+
+class MissingKeysError(_NamesKeysError):
+    """Some requested keys are not in the partition; `.missing` lists them."""
 
 
 class UnknownFieldError(_KeyLikeError):
     """The field was not declared when the partition was registered."""
 
 
-class FieldNotWrittenError(_KeyLikeError):
+class FieldNotWrittenError(_NamesKeysError):
     """The field is declared but has not been written for some requested keys; `.missing` lists them."""
-
-    def __init__(self, message: str, missing: Sequence[str]):
-        super().__init__(message)
-        self.missing = list(missing)
-
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray processes despite the extra argument
-        return (type(self), (self.args[0], self.missing))
 
 
 class UnknownTaskError(_KeyLikeError):
@@ -273,9 +273,9 @@ class DataPlaneClient(ABC):
         partition's last `num_samples` tail) and raises `ClaimTimeoutError` after `timeout_s`; non-blocking
         returns what is ready, possibly empty. `dp_rank` is reserved (sharding is done on the driver)."""
 
-    @abstractmethod
     def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> FieldBatch:
         """`get_samples(meta.keys, meta.partition_id, select_fields or meta.fields)`; ValueError if neither."""
+        return self.get_samples(meta.keys, meta.partition_id, resolve_fields(meta, select_fields))
 
     @abstractmethod
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
@@ -331,3 +331,28 @@ def resolve_fields(meta: KVBatchMeta, select_fields: Sequence[str] | None) -> li
         f"get_data: meta for partition {meta.partition_id!r} has fields=None and no select_fields were given; "
         "name the fields to fetch"
     )
+
+
+def check_put(
+    keys: Sequence[str], fields: Mapping[str, FieldValue], tags: Sequence[Mapping[str, Any]] | None
+) -> tuple[list[str], dict[str, Column]]:
+    """A put's own consistency (string keys, no duplicates, aligned tags and rows), checked before any store sees it."""
+    keys = list(keys)
+    n = len(keys)
+    if not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"put_samples: keys must be strings, got {sorted({type(k).__name__ for k in keys})}")
+    if len(set(keys)) != n:
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"put_samples: duplicate keys {format_keys(dup)}")
+    if tags is not None and len(tags) != n:
+        raise ValueError(f"put_samples: tags ({len(tags)}) must align 1:1 with keys ({n})")
+    cols = {name: as_column(name, v) for name, v in fields.items()}
+    for name, col in cols.items():
+        if col.num_rows != n:
+            raise ValueError(f"put_samples: field '{name}' has {col.num_rows} rows for {n} keys")
+    return keys, cols
+
+
+def put_receipt(partition_id: str, keys: list[str], names: list[str], tags: Sequence[Tags] | None) -> KVBatchMeta:
+    """What a put returns: the keys, the fields it wrote and copies of its tags."""
+    return KVBatchMeta(partition_id, keys, names, None, None if tags is None else [dict(t) for t in tags], {}, None)

@@ -1,45 +1,46 @@
 """The embedded `memory` backend: a columnar, in-process, thread-safe store.
 
-Layout (where the speed comes from): each put stores, per field, ONE segment — a packed `values` tensor plus
-`offsets`/`lengths` for jagged fields — and records where every row landed in two int64 arrays per field
-(`loc_seg`, `loc_pos`, indexed by a partition-local row id). There is never one Python object per sample for
-tensor data. A get looks up row ids once, then per field gathers with one slice (contiguous rows) or one
-`index_select` over a flat token index per segment. A write-back adds a segment without touching existing ones.
-A segment is freed when its last live row is cleared or overwritten.
+`ColumnarStore` is the shared `Ledger` (keys, schemas, written fields, tags, cursors, capacity) plus the tensors.
+Layout (where the speed comes from): each put stores, per field, ONE segment (a packed `values` tensor plus
+`offsets`/`lengths` for jagged fields) and records where every row landed in two int64 arrays per field
+(`loc_seg`, `loc_pos`, indexed by the ledger's row id). There is never one Python object per sample for tensor
+data. A get gathers per field with one slice (contiguous rows) or one `index_select` over a flat token index per
+segment. A write-back adds a segment without touching existing ones. A segment is freed when its last live row is
+cleared or overwritten.
 
-`ColumnarStore` is a plain object (the Ray backend hosts one in an actor); `MemoryDataPlaneClient` wraps it.
+The `ray` backend hosts a `ColumnarStore` in an actor; `MemoryDataPlaneClient` reaches one in this process.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from relayrl.config import DataPlaneConfig
-from relayrl.data_plane.codec import Column, as_column, flat_token_index
+from relayrl.data_plane.codec import Column, FieldSpec, flat_token_index
 from relayrl.data_plane.interfaces import (
-    CapacityExceededError,
-    ClaimTimeoutError,
     DataPlaneClient,
     DataPlaneClosedError,
     FieldBatch,
-    FieldNotWrittenError,
     FieldValue,
     KVBatchMeta,
-    MissingKeysError,
-    SchemaMismatchError,
-    UnknownFieldError,
-    UnknownPartitionError,
-    UnknownTaskError,
-    format_keys,
-    resolve_fields,
+    check_put,
+    put_receipt,
 )
+from relayrl.data_plane.ledger import Ledger
+from relayrl.data_plane.proxy import ProxyClient
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+_TokenSelection = tuple[slice | torch.Tensor, torch.Tensor]
+"""Where one segment's requested rows lie in its flat values (a slice or a `[T]` index) and their lengths `[n]`."""
 
 
 @dataclass
@@ -55,30 +56,29 @@ class _Segment:
 
 @dataclass
 class _FieldStore:
-    jagged: bool
-    dtype: torch.dtype
-    trailing: tuple[int, ...]
+    """Where each row of one field lives: segment id and position in it (the ledger's row ids index both)."""
+
     loc_seg: torch.Tensor  # [row capacity] int64, -1 = not written
     loc_pos: torch.Tensor  # [row capacity] int64
     segments: dict[int, _Segment] = field(default_factory=dict)
     next_seg: int = 0
 
-    def describe(self) -> str:
-        return f"{'jagged' if self.jagged else 'dense'} {self.dtype} trailing shape {self.trailing}"
+    def fit(self, capacity: int) -> None:
+        """Grow the row arrays to the ledger's row capacity."""
+        for name in ("loc_seg", "loc_pos"):
+            old = getattr(self, name)
+            if old.shape[0] < capacity:
+                setattr(self, name, torch.cat([old, torch.full((capacity - old.shape[0],), -1, dtype=torch.int64)]))
 
-
-@dataclass
-class _Partition:
-    fields: list[str]
-    num_samples: int
-    consumer_tasks: list[str]
-    grpo_group_size: int | None
-    rows: dict[str, int] = field(default_factory=dict)  # key -> row id, in first-put order
-    next_row: int = 0
-    row_capacity: int = 0
-    columns: dict[str, _FieldStore] = field(default_factory=dict)
-    tags: dict[str, dict[str, Any]] = field(default_factory=dict)
-    consumed: dict[str, set[str]] = field(default_factory=dict)
+    def release(self, rows: torch.Tensor) -> None:
+        """Forget where `rows` [n] live; free segments with no live rows left."""
+        live_before = Counter(s for s in self.loc_seg.index_select(0, rows).tolist() if s >= 0)
+        for s, c in live_before.items():
+            seg = self.segments[s]
+            seg.live -= c
+            if seg.live <= 0:
+                del self.segments[s]
+        self.loc_seg.index_fill_(0, rows, -1)
 
 
 def _store_copy(t: torch.Tensor) -> torch.Tensor:
@@ -90,9 +90,9 @@ def _store_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_segment(
-    seg: _Segment, pos: torch.Tensor, cache: dict[int, tuple[slice | torch.Tensor, torch.Tensor]] | None = None
+    seg: _Segment, pos: torch.Tensor, cache: dict[int, _TokenSelection] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows `pos` of one segment as (values, lengths): one slice (consecutive rows) or one index_select.
+    """Rows `pos` [n] of one segment as (values, lengths): one slice (consecutive rows) or one index_select.
 
     `cache` (one get, all requested rows in this segment) maps a shared offsets tensor to its token selection,
     so fields written by the same put build it once: such fields hold the same rows at the same positions.
@@ -119,189 +119,54 @@ def _gather_segment(
     return values, lens
 
 
-class ColumnarStore:
-    """Thread-safe columnar sample store implementing the DataPlaneClient semantics (see interfaces.py)."""
+def _gather(
+    spec: FieldSpec,
+    seg_ids: torch.Tensor,
+    pos: torch.Tensor,
+    segs: dict[int, _Segment],
+    cache: dict[int, _TokenSelection],
+) -> Column:
+    """One field's requested rows (segment ids and positions `[n]`) as a Column in request order."""
+    seg_list = seg_ids.tolist()
+    n = len(seg_list)
+    if n == 0:
+        empty = torch.empty((0, *spec.trailing), dtype=spec.torch_dtype)
+        return Column.unchecked(empty, torch.zeros(0, dtype=torch.int64) if spec.jagged else None)
+    if seg_list.count(seg_list[0]) == n:
+        return Column.unchecked(*_gather_segment(segs[seg_list[0]], pos, cache))
+    # Rows spread over several segments: gather each segment's rows, scatter into place.
+    groups = [(s, (seg_ids == s).nonzero().squeeze(1)) for s in sorted(set(seg_list))]
+    if not spec.jagged:
+        out = torch.empty((n, *spec.trailing), dtype=spec.torch_dtype)
+        for s, sel in groups:
+            out.index_copy_(0, sel, _gather_segment(segs[s], pos.index_select(0, sel))[0])
+        return Column.unchecked(out)
+    lens = torch.empty(n, dtype=torch.int64)  # [n]
+    for s, sel in groups:
+        lens.index_copy_(0, sel, segs[s].lengths.index_select(0, pos.index_select(0, sel)))  # type: ignore[union-attr]
+    out_starts = torch.cumsum(lens, 0) - lens  # [n]
+    out = torch.empty((int(lens.sum()), *spec.trailing), dtype=spec.torch_dtype)
+    for s, sel in groups:
+        values, sub_lens = _gather_segment(segs[s], pos.index_select(0, sel))
+        assert sub_lens is not None
+        out.index_copy_(0, flat_token_index(out_starts.index_select(0, sel), sub_lens), values)
+    return Column.unchecked(out, lens)
+
+
+class ColumnarStore(Ledger, DataPlaneClient):
+    """The ledger plus packed tensor segments: a complete, thread-safe, in-process `DataPlaneClient`."""
 
     def __init__(self, storage_capacity: int = 1_000_000):
-        if storage_capacity < 1:
-            raise ValueError(f"storage_capacity must be >= 1, got {storage_capacity}")
-        self.storage_capacity = storage_capacity
-        self._parts: dict[str, _Partition] = {}
-        self._live = 0
-        self._closed = False
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
+        super().__init__(storage_capacity)
+        self._columns: dict[str, dict[str, _FieldStore]] = {}  # partition -> field -> where its rows live
 
-    # ------------------------------------------------------------------ helpers
-    def _part(self, partition_id: str) -> _Partition:
-        if self._closed:
-            raise DataPlaneClosedError("the data plane store is closed")
-        part = self._parts.get(partition_id)
-        if part is None:
-            known = sorted(self._parts)
-            raise UnknownPartitionError(f"partition {partition_id!r} is not registered (registered: {known})")
-        return part
-
-    @staticmethod
-    def _check_declared(part: _Partition, partition_id: str, names: Sequence[str]) -> None:
-        unknown = [n for n in names if n not in part.fields]
-        if unknown:
-            raise UnknownFieldError(
-                f"field(s) {unknown} not declared for partition {partition_id!r} (declared: {part.fields})"
-            )
-
-    @staticmethod
-    def _grow_rows(part: _Partition, needed: int) -> None:
-        if needed <= part.row_capacity:
+    def _forget(self, partition_id: str, rows: torch.Tensor | None) -> None:
+        if rows is None:
+            self._columns.pop(partition_id, None)
             return
-        cap = max(needed, 2 * part.row_capacity, 1024)
-        for fs in part.columns.values():
-            for name in ("loc_seg", "loc_pos"):
-                old = getattr(fs, name)
-                new = torch.full((cap,), -1, dtype=torch.int64)
-                new[: old.shape[0]] = old
-                setattr(fs, name, new)
-        part.row_capacity = cap
+        for fs in self._columns.get(partition_id, {}).values():
+            fs.release(rows)
 
-    @staticmethod
-    def _release(fs: _FieldStore, rows: torch.Tensor) -> None:
-        """Forget where `rows` live in `fs`; free segments with no live rows left."""
-        live_before = Counter(s for s in fs.loc_seg.index_select(0, rows).tolist() if s >= 0)
-        for s, c in live_before.items():
-            seg = fs.segments[s]
-            seg.live -= c
-            if seg.live <= 0:
-                del fs.segments[s]
-        fs.loc_seg.index_fill_(0, rows, -1)
-
-    @staticmethod
-    def _empty(part: _Partition) -> None:
-        """Drop every sample of a partition; its declaration and field schemas (first-write dtypes) stay."""
-        part.rows.clear()
-        part.tags.clear()
-        for consumed in part.consumed.values():
-            consumed.clear()
-        for fs in part.columns.values():
-            fs.loc_seg = fs.loc_pos = torch.empty(0, dtype=torch.int64)
-            fs.segments.clear()
-        part.next_row = part.row_capacity = 0
-
-    # ------------------------------------------------------------------ task-mediated API
-    def register_partition(
-        self,
-        partition_id: str,
-        fields: Sequence[str],
-        num_samples: int,
-        consumer_tasks: Sequence[str],
-        grpo_group_size: int | None = None,
-    ) -> None:
-        if not isinstance(partition_id, str) or not partition_id:
-            raise ValueError(f"partition_id must be a non-empty string, got {partition_id!r}")
-        if isinstance(fields, str) or isinstance(consumer_tasks, str):
-            raise TypeError("fields and consumer_tasks must be sequences of names, not a single string")
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-        if grpo_group_size is not None and grpo_group_size < 1:
-            raise ValueError(f"grpo_group_size must be >= 1, got {grpo_group_size}")
-        with self._lock:
-            if self._closed:
-                raise DataPlaneClosedError("the data plane store is closed")
-            old = self._parts.get(partition_id)
-            if old is not None and old.rows:
-                raise ValueError(
-                    f"partition {partition_id!r} still holds {len(old.rows)} samples; "
-                    "clear_samples(None, partition_id) before re-registering it"
-                )
-            tasks = list(dict.fromkeys(consumer_tasks))
-            self._parts[partition_id] = _Partition(
-                fields=list(dict.fromkeys(fields)),
-                num_samples=num_samples,
-                consumer_tasks=tasks,
-                grpo_group_size=grpo_group_size,
-                consumed={t: set() for t in tasks},
-            )
-            self._changed.notify_all()
-
-    def claim_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-    ) -> KVBatchMeta:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if dp_rank is not None and dp_rank < 0:
-            raise ValueError(f"dp_rank must be >= 0, got {dp_rank}")
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._lock:
-            while True:
-                part = self._part(partition_id)
-                if task_name not in part.consumed:
-                    raise UnknownTaskError(
-                        f"task {task_name!r} is not a consumer task of partition {partition_id!r} "
-                        f"(tasks: {part.consumer_tasks})"
-                    )
-                self._check_declared(part, partition_id, required_fields)
-                consumed = part.consumed[task_name]
-                ready = self._ready_keys(part, consumed, required_fields, batch_size)
-                drained = len(consumed) + len(ready) >= part.num_samples
-                if not blocking or len(ready) >= batch_size or drained:
-                    consumed.update(ready)
-                    return self._claimed_meta(part, partition_id, task_name, required_fields, ready)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ClaimTimeoutError(
-                        f"claim_meta(partition={partition_id!r}, task={task_name!r}) timed out after {timeout_s}s "
-                        f"with {len(ready)} of {batch_size} samples ready"
-                    )
-                self._changed.wait(remaining)
-
-    @staticmethod
-    def _ready_keys(part: _Partition, consumed: set[str], required: Sequence[str], limit: int) -> list[str]:
-        cand = [k for k in part.rows if k not in consumed]
-        if not cand or not required:
-            return cand[:limit]
-        rows = torch.tensor([part.rows[k] for k in cand], dtype=torch.int64)
-        ok = torch.ones(len(cand), dtype=torch.bool)
-        for name in required:
-            fs = part.columns.get(name)
-            if fs is None:
-                return []
-            ok &= fs.loc_seg.index_select(0, rows) >= 0
-        picked = ok.nonzero().squeeze(1)[:limit].tolist()
-        return [cand[i] for i in picked]
-
-    def _claimed_meta(
-        self, part: _Partition, partition_id: str, task: str, required: Sequence[str], keys: list[str]
-    ) -> KVBatchMeta:
-        lens: list[int] | None = None
-        jagged = [n for n in required if part.columns[n].jagged] if keys else []
-        if jagged:
-            fs = part.columns[jagged[0]]
-            rows = torch.tensor([part.rows[k] for k in keys], dtype=torch.int64)
-            seg_ids, pos = fs.loc_seg.index_select(0, rows).tolist(), fs.loc_pos.index_select(0, rows).tolist()
-            lens = [int(fs.segments[s].lengths[p]) for s, p in zip(seg_ids, pos)]  # type: ignore[index]
-        tags = [dict(part.tags.get(k, {})) for k in keys] if any(k in part.tags for k in keys) else None
-        return KVBatchMeta(partition_id, list(keys), list(required), lens, tags, {}, task)
-
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> FieldBatch:
-        return self.get_samples(meta.keys, meta.partition_id, resolve_fields(meta, select_fields))
-
-    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
-        with self._lock:
-            part = self._part(partition_id)
-            for task in task_names:
-                if task not in part.consumed:
-                    raise UnknownTaskError(f"task {task!r} is not a consumer task of partition {partition_id!r}")
-                if any(k not in part.consumed[task] for k in part.rows):
-                    return False
-            return True
-
-    # ------------------------------------------------------------------ direct by key
     def put_samples(
         self,
         keys: Sequence[str],
@@ -309,19 +174,8 @@ class ColumnarStore:
         fields: Mapping[str, FieldValue],
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
-        keys = list(keys)
-        n = len(keys)
-        if not all(isinstance(k, str) for k in keys):
-            raise TypeError(f"put_samples: keys must be strings, got {sorted({type(k).__name__ for k in keys})}")
-        if len(set(keys)) != n:
-            dup = sorted({k for k in keys if keys.count(k) > 1})
-            raise ValueError(f"put_samples: duplicate keys {format_keys(dup)}")
-        if tags is not None and len(tags) != n:
-            raise ValueError(f"put_samples: tags ({len(tags)}) must align 1:1 with keys ({n})")
-        cols = {name: as_column(name, v) for name, v in fields.items()}
-        for name, col in cols.items():
-            if col.num_rows != n:
-                raise ValueError(f"put_samples: field '{name}' has {col.num_rows} rows for {n} keys")
+        key_list, cols = check_put(keys, fields, tags)
+        tag_list = None if tags is None else [dict(t) for t in tags]
         # Copy outside the lock (the only bulk work of a put), then validate and publish atomically.
         staged: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         copies: dict[int, torch.Tensor] = {}  # fields given the same lengths share one copy (and one offsets)
@@ -338,72 +192,41 @@ class ColumnarStore:
             staged[name] = (_store_copy(c.values), lengths)
         with self._lock:
             part = self._part(partition_id)
-            self._check_declared(part, partition_id, list(cols))
-            for name, col in cols.items():
-                fs = part.columns.get(name)
-                if fs is not None and (fs.jagged, fs.dtype, fs.trailing) != (
-                    col.is_jagged,
-                    col.dtype,
-                    col.trailing_shape,
-                ):
-                    got = f"{'jagged' if col.is_jagged else 'dense'} {col.dtype} trailing shape {col.trailing_shape}"
-                    raise SchemaMismatchError(
-                        f"field '{name}' of partition {partition_id!r} was first written as {fs.describe()}; "
-                        f"this write is {got} (the data plane never casts)"
-                    )
-            new_keys = [k for k in keys if k not in part.rows]
-            if self._live + len(new_keys) > self.storage_capacity:
-                raise CapacityExceededError(
-                    f"put of {len(new_keys)} new samples to {partition_id!r} would hold {self._live + len(new_keys)} "
-                    f"samples, above data_plane.storage_capacity={self.storage_capacity}; clear consumed samples "
-                    "or raise the capacity"
-                )
-            if n:
-                self._commit(part, keys, new_keys, cols, staged)
-            if tags is not None:
-                for k, t in zip(keys, tags):
-                    part.tags.setdefault(k, {}).update(t)
+            self._reserve(part, partition_id, key_list, {name: FieldSpec.of(c) for name, c in cols.items()})
+            rows = self._publish(part, key_list, {name: lens for name, (_, lens) in staged.items()}, tag_list)
+            if key_list:
+                self._store(self._columns.setdefault(partition_id, {}), part.row_capacity, rows, staged)
             self._changed.notify_all()
-        return KVBatchMeta(
-            partition_id, keys, list(cols), None, None if tags is None else [dict(t) for t in tags], {}, None
-        )
+        return put_receipt(partition_id, key_list, list(cols), tag_list)
 
-    def _commit(
-        self,
-        part: _Partition,
-        keys: list[str],
-        new_keys: list[str],
-        cols: dict[str, Column],
+    @staticmethod
+    def _store(
+        columns: dict[str, _FieldStore],
+        capacity: int,
+        rows: torch.Tensor,
         staged: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     ) -> None:
-        first_new = part.next_row
-        self._grow_rows(part, first_new + len(new_keys))
-        part.rows.update(zip(new_keys, range(first_new, first_new + len(new_keys))))
-        part.next_row += len(new_keys)
-        self._live += len(new_keys)
-        if len(new_keys) == len(keys):  # the common first write: rows are one fresh range
-            rows = torch.arange(first_new, first_new + len(keys), dtype=torch.int64)  # [n]
-        else:
-            rows = torch.tensor([part.rows[k] for k in keys], dtype=torch.int64)  # [n]
-        positions = torch.arange(len(keys), dtype=torch.int64)
+        """One new segment per field for the put's rows `[n]`; the rows' old segments lose them."""
+        for fs in columns.values():
+            fs.fit(capacity)
+        positions = torch.arange(rows.shape[0], dtype=torch.int64)  # [n]
         offsets_of: dict[int, torch.Tensor] = {}
         for name, (values, lengths) in staged.items():
-            fs = part.columns.get(name)
-            if fs is None:
-                col = cols[name]
-                empty = torch.full((part.row_capacity,), -1, dtype=torch.int64)
-                fs = _FieldStore(col.is_jagged, col.dtype, col.trailing_shape, empty, empty.clone())
-                part.columns[name] = fs
+            if name in columns:
+                fs = columns[name]
+                fs.release(rows)
             else:
-                self._release(fs, rows)
+                empty = torch.full((capacity,), -1, dtype=torch.int64)
+                fs = columns[name] = _FieldStore(empty, empty.clone())
             offsets = None
+            nbytes = values.numel() * values.element_size()
             if lengths is not None:
                 offsets = offsets_of.get(id(lengths))
                 if offsets is None:
                     offsets = offsets_of[id(lengths)] = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
                     torch.cumsum(lengths, 0, out=offsets[1:])
-            nbytes = values.numel() * values.element_size() + (0 if offsets is None else 16 * lengths.numel())  # type: ignore[union-attr]
-            fs.segments[fs.next_seg] = _Segment(values, offsets, lengths, len(keys), nbytes)
+                nbytes += 16 * lengths.numel()
+            fs.segments[fs.next_seg] = _Segment(values, offsets, lengths, rows.shape[0], nbytes)
             fs.loc_seg.index_fill_(0, rows, fs.next_seg)
             fs.loc_pos.index_copy_(0, rows, positions)
             fs.next_seg += 1
@@ -415,160 +238,44 @@ class ColumnarStore:
         names = list(dict.fromkeys(select_fields))
         with self._lock:
             part = self._part(partition_id)
-            self._check_declared(part, partition_id, names)
-            row_list = [part.rows.get(k, -1) for k in keys]
-            missing = [k for k, r in zip(keys, row_list) if r < 0]
-            if missing:
-                raise MissingKeysError(
-                    f"{len(missing)} key(s) not in partition {partition_id!r}: {format_keys(missing)}", missing
-                )
-            rows = torch.tensor(row_list, dtype=torch.int64)  # [n]
-            plan = []
+            rows = self._rows_for_get(part, partition_id, keys, names)  # [n]
+            columns = self._columns.get(partition_id, {})
+            plan: list[tuple[str, FieldSpec, torch.Tensor, torch.Tensor, dict[int, _Segment]]] = []
             for name in names:
-                fs = part.columns.get(name)
-                if fs is None:
-                    raise FieldNotWrittenError(
-                        f"field '{name}' has not been written in partition {partition_id!r}", list(keys)
-                    )
-                seg_ids = fs.loc_seg.index_select(0, rows)  # [n]
-                seg_list = seg_ids.tolist()
-                if keys and min(seg_list) < 0:
-                    lacking = [k for k, s in zip(keys, seg_list) if s < 0]
-                    raise FieldNotWrittenError(
-                        f"field '{name}' not yet written for {len(lacking)} key(s) of partition {partition_id!r}: "
-                        f"{format_keys(lacking)}",
-                        lacking,
-                    )
+                fs = columns.get(name)
+                if fs is None:  # written by empty puts only, so no key can be asked for
+                    plan.append((name, part.schema[name], rows, rows, {}))
+                    continue
                 # Segments are immutable: keep references, gather outside the lock.
-                plan.append((name, fs, seg_ids, seg_list, fs.loc_pos.index_select(0, rows), dict(fs.segments)))
-        cache: dict[int, tuple[slice | torch.Tensor, torch.Tensor]] = {}
-        return {name: self._gather(fs, ids, lst, pos, segs, cache) for name, fs, ids, lst, pos, segs in plan}
-
-    @staticmethod
-    def _gather(
-        fs: _FieldStore,
-        seg_ids: torch.Tensor,
-        seg_list: list[int],
-        pos: torch.Tensor,
-        segs: dict[int, _Segment],
-        cache: dict[int, tuple[slice | torch.Tensor, torch.Tensor]],
-    ) -> Column:
-        n = len(seg_list)
-        if n == 0:
-            empty = torch.empty((0, *fs.trailing), dtype=fs.dtype)
-            return Column.unchecked(empty, torch.zeros(0, dtype=torch.int64) if fs.jagged else None)
-        if seg_list.count(seg_list[0]) == n:
-            return Column.unchecked(*_gather_segment(segs[seg_list[0]], pos, cache))
-        # Rows spread over several segments: gather each segment's rows, scatter into place.
-        groups = [(s, (seg_ids == s).nonzero().squeeze(1)) for s in sorted(set(seg_list))]
-        if not fs.jagged:
-            out = torch.empty((n, *fs.trailing), dtype=fs.dtype)
-            for s, sel in groups:
-                out.index_copy_(0, sel, _gather_segment(segs[s], pos.index_select(0, sel))[0])
-            return Column.unchecked(out)
-        lens = torch.empty(n, dtype=torch.int64)
-        for s, sel in groups:
-            lens.index_copy_(0, sel, segs[s].lengths.index_select(0, pos.index_select(0, sel)))  # type: ignore[union-attr]
-        out_starts = torch.cumsum(lens, 0) - lens  # [n]
-        out = torch.empty((int(lens.sum()), *fs.trailing), dtype=fs.dtype)
-        for s, sel in groups:
-            values, sub_lens = _gather_segment(segs[s], pos.index_select(0, sel))
-            assert sub_lens is not None
-            out.index_copy_(0, flat_token_index(out_starts.index_select(0, sel), sub_lens), values)
-        return Column.unchecked(out, lens)
-
-    def clear_samples(self, keys: Sequence[str] | None, partition_id: str) -> int:
-        with self._lock:
-            part = self._part(partition_id)
-            if keys is None:  # everything: reset instead of releasing row by row
-                count = len(part.rows)
-                self._empty(part)
-                self._live -= count
-                self._changed.notify_all()
-                return count
-            if isinstance(keys, str):
-                raise TypeError("clear_samples takes a sequence of keys (or None), not a single string")
-            gone = [k for k in dict.fromkeys(keys) if k in part.rows]
-            if not gone:
-                return 0
-            rows = torch.tensor([part.rows.pop(k) for k in gone], dtype=torch.int64)
-            for fs in part.columns.values():
-                self._release(fs, rows)
-            for k in gone:
-                part.tags.pop(k, None)
-                for consumed in part.consumed.values():
-                    consumed.discard(k)
-            self._live -= len(gone)
-            if not part.rows:  # reset row ids so a long-lived partition's index arrays do not grow forever
-                self._empty(part)
-            self._changed.notify_all()
-            return len(gone)
-
-    # ------------------------------------------------------------------ lifecycle and introspection
-    def close(self) -> None:
-        with self._lock:
-            self._parts.clear()
-            self._live = 0
-            self._closed = True
-            self._changed.notify_all()
+                seg_ids, pos = fs.loc_seg.index_select(0, rows), fs.loc_pos.index_select(0, rows)  # [n], [n]
+                plan.append((name, part.schema[name], seg_ids, pos, dict(fs.segments)))
+        cache: dict[int, _TokenSelection] = {}
+        return {name: _gather(spec, ids, pos, segs, cache) for name, spec, ids, pos, segs in plan}
 
     def bytes_held(self) -> dict[str, int]:
+        """Bytes of every live segment (a segment stays whole until its last live row goes)."""
         with self._lock:
             return {
-                pid: sum(s.nbytes for fs in part.columns.values() for s in fs.segments.values())
-                for pid, part in self._parts.items()
+                pid: sum(s.nbytes for fs in self._columns.get(pid, {}).values() for s in fs.segments.values())
+                for pid in self._parts
             }
 
-    def keys(self, partition_id: str) -> list[str]:
-        """Live keys of a partition in first-put order."""
-        with self._lock:
-            return list(self._part(partition_id).rows)
 
-    def num_samples_held(self) -> int:
-        with self._lock:
-            return self._live
-
-
-class MemoryDataPlaneClient(DataPlaneClient):
-    """DataPlaneClient over a `ColumnarStore` living in this process."""
+class MemoryDataPlaneClient(ProxyClient):
+    """A client of a `ColumnarStore` in this process; closing an attached client leaves the store open."""
 
     def __init__(self, store: ColumnarStore, *, owns_store: bool = True):
+        super().__init__()
         self.store = store
         self._owns_store = owns_store
-        self._closed = False
 
-    def _s(self) -> ColumnarStore:
+    def _call_within(
+        self, timeout_s: float, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         if self._closed:
             raise DataPlaneClosedError("this data plane client is closed")
-        return self.store
-
-    def register_partition(
-        self,
-        partition_id: str,
-        fields: Sequence[str],
-        num_samples: int,
-        consumer_tasks: Sequence[str],
-        grpo_group_size: int | None = None,
-    ) -> None:
-        self._s().register_partition(partition_id, fields, num_samples, consumer_tasks, grpo_group_size)
-
-    def claim_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-    ) -> KVBatchMeta:
-        return self._s().claim_meta(partition_id, task_name, required_fields, batch_size, dp_rank, blocking, timeout_s)
-
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> FieldBatch:
-        return self._s().get_data(meta, select_fields)
-
-    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
-        return self._s().check_consumption_status(partition_id, task_names)
+        bound: Callable[P, R] = getattr(self.store, method.__name__)  # the store's own override runs
+        return bound(*args, **kwargs)
 
     def put_samples(
         self,
@@ -577,13 +284,10 @@ class MemoryDataPlaneClient(DataPlaneClient):
         fields: Mapping[str, FieldValue],
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
-        return self._s().put_samples(keys, partition_id, fields, tags)
+        return self._call(ColumnarStore.put_samples, keys, partition_id, fields, tags)
 
     def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
-        return self._s().get_samples(keys, partition_id, select_fields)
-
-    def clear_samples(self, keys: Sequence[str] | None, partition_id: str) -> int:
-        return self._s().clear_samples(keys, partition_id)
+        return self._call(ColumnarStore.get_samples, keys, partition_id, select_fields)
 
     def close(self) -> None:
         if self._closed:
@@ -591,12 +295,6 @@ class MemoryDataPlaneClient(DataPlaneClient):
         self._closed = True
         if self._owns_store:
             self.store.close()
-
-    def bytes_held(self) -> dict[str, int]:
-        return {} if self._closed else self.store.bytes_held()
-
-    def keys(self, partition_id: str) -> list[str]:
-        return self._s().keys(partition_id)
 
 
 _process_store: ColumnarStore | None = None
@@ -610,7 +308,7 @@ def build_client(cfg: DataPlaneConfig, *, bootstrap: bool) -> MemoryDataPlaneCli
         if bootstrap:
             _process_store = ColumnarStore(cfg.storage_capacity)
             return MemoryDataPlaneClient(_process_store, owns_store=True)
-        if _process_store is None or _process_store._closed:
+        if _process_store is None or _process_store.closed:
             raise RuntimeError(
                 "no memory data plane store in this process: the memory backend only serves workers living in "
                 "the driver process; build it with bootstrap=True first, or use data_plane.backend='ray'"

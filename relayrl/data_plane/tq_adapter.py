@@ -5,8 +5,9 @@ own it is lenient where our contract is strict, so this adapter compensates (see
 
 - partial gets (missing keys dropped), empty results for unknown or half-written fields, silent dtype truncation
   after a dtype change, keys left registered by a failed put, no capacity total, no partial or ordered claims:
-  a small relayrl-owned *ledger* actor is the authority for partitions, field schemas (dtype, layout, trailing
-  shape fixed by the first write), live keys, written fields, tags, capacity and task cursors. Every put is
+  the data plane's own `Ledger` (ledger.py, the same bookkeeping the memory store runs), hosted in a small named
+  actor (remote.py), is the authority for partitions, field schemas (dtype, layout, trailing shape fixed by
+  the first write), live keys, written fields, tags, capacity and task cursors. Every put is
   validated there before TQ sees it, verified after it and only then published; every get is checked there
   (in parallel with the TQ call) so a short or empty TQ answer can never pass as a result;
 - calls without timeouts (a dead controller hangs forever): every TQ coroutine runs with a deadline;
@@ -23,27 +24,28 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
 import psutil
 import ray
 import torch
+from ray.actor import ActorClass, ActorHandle
 
 from relayrl.config import DataPlaneConfig
-from relayrl.data_plane.codec import Column, as_column
+from relayrl.data_plane.codec import Column, FieldSpec
 from relayrl.data_plane.interfaces import (
     ClaimTimeoutError,
-    DataPlaneClient,
     DataPlaneClosedError,
     FieldBatch,
     FieldValue,
     KVBatchMeta,
-    format_keys,
-    resolve_fields,
+    check_put,
+    put_receipt,
 )
-from relayrl.data_plane.ray_store import await_remote, knob
-from relayrl.data_plane.tq_ledger import FieldSpec, LedgerActor
+from relayrl.data_plane.ledger import Ledger
+from relayrl.data_plane.proxy import DEFAULT_CALL_TIMEOUT_S
+from relayrl.data_plane.remote import LedgerHost, RemoteClient, knob, lookup_actor, start_host
 
 # TQ reads these at import time. Cap its per-call torch threads at the physical cores (it warns on every call
 # otherwise) and keep its log at WARNING; explicit user settings win.
@@ -56,41 +58,35 @@ from tensordict import TensorDict  # noqa: E402
 TQ_CONTROLLER_NAME = "TransferQueueController"  # fixed by the package
 TQ_NAMESPACE = "transfer_queue"
 LEDGER_NAME = "relayrl_tq_ledger"
-NAMESPACE = "relayrl"
 DEFAULT_NUM_STORAGE_UNITS = 2
-DEFAULT_CALL_TIMEOUT_S = 120.0
 DEFAULT_INIT_TIMEOUT_S = 300.0
 """Measured 10-40 s on a loaded 2-core box (three actor processes each import torch)."""
 _CPU_WAIT_S = 15.0
 
-_RemoteLedger: Any = ray.remote(LedgerActor)
+R = TypeVar("R")
+
+_RemoteLedger: ActorClass[LedgerHost] = ray.remote(LedgerHost)
 
 
-def _run_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+def _run_with_timeout(fn: Callable[[], R], timeout_s: float, what: str) -> R:
     """Run a blocking call that has no timeout of its own in a daemon thread; raise if it overruns."""
-    box: dict[str, Any] = {}
+    box: dict[str, R] = {}
+    failed: list[BaseException] = []
 
     def target() -> None:
         try:
             box["value"] = fn()
         except BaseException as e:  # handed back to the caller below
-            box["error"] = e
+            failed.append(e)
 
     t = threading.Thread(target=target, name=f"relayrl-tq-{what}", daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
         raise ClaimTimeoutError(f"transfer_queue: {what} did not finish within {timeout_s:.0f}s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def _actor(name: str, namespace: str) -> Any:
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
+    if failed:
+        raise failed[0]
+    return box["value"]
 
 
 def _to_wire(col: Column) -> torch.Tensor:
@@ -103,7 +99,7 @@ def _to_wire(col: Column) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
-def _from_wire(name: str, value: Any, spec: FieldSpec, n: int) -> Column:
+def _from_wire(name: str, value: object, spec: FieldSpec, n: int) -> Column:
     """TQ returns every multi-dim field as a nested tensor (dense ones too); rebuild the recorded layout."""
     jagged, dtype_name, trailing = spec
     if not isinstance(value, torch.Tensor):
@@ -136,26 +132,26 @@ def _take(col: Column, idx: torch.Tensor) -> Column:
     return Column(col.values.index_select(0, flat + torch.arange(total)), lens)
 
 
-class TQDataPlaneClient(DataPlaneClient):
+class TQDataPlaneClient(RemoteClient):
     """DataPlaneClient over TransferQueue (bulk) plus the relayrl ledger actor (bookkeeping)."""
 
-    def __init__(self, ledger: Any, *, owns_tq: bool, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
-        self._ledger = ledger
-        self._owns_tq = owns_tq
-        self._timeout = call_timeout_s
+    _label = "transfer_queue ledger"
+
+    def __init__(
+        self, ledger: ActorHandle[LedgerHost], *, owns_tq: bool, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    ):
+        super().__init__(ledger, owns_actor=owns_tq, call_timeout_s=call_timeout_s)
         self._tq_client = tq.get_client()
         if not isinstance(getattr(self._tq_client, "_loop", None), asyncio.AbstractEventLoop):
             raise RuntimeError("this transferqueue version has no client event loop; relayrl needs 0.1.10-0.1.x")
-        self._closed = False
 
     # ------------------------------------------------------------------ plumbing
     def _check_open(self) -> None:
-        if self._closed:
-            raise DataPlaneClosedError("this data plane client is closed")
+        super()._check_open()
         if getattr(tq.interface, "_TQ_CLIENT", None) is not self._tq_client:  # tq.close() ran in this process
             raise DataPlaneClosedError("the TransferQueue this client attached to was closed")
 
-    def _tq(self, coro: Any, what: str) -> Any:
+    def _tq(self, coro: Coroutine[Any, Any, R], what: str) -> R:
         """Run one TQ coroutine on TQ's client loop with a deadline (TQ's controller calls have none)."""
         fut = asyncio.run_coroutine_threadsafe(coro, self._tq_client._loop)
         try:
@@ -163,48 +159,6 @@ class TQDataPlaneClient(DataPlaneClient):
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise ClaimTimeoutError(f"transfer_queue: {what} did not complete within {self._timeout:.0f}s") from None
-
-    def _wait(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
-        timeout = self._timeout if timeout_s is None else timeout_s
-        return await_remote(ref, timeout, f"transfer_queue ledger {what}")
-
-    def _ask(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        self._check_open()
-        return self._wait(getattr(self._ledger, method).remote(*args), method, timeout_s)
-
-    # ------------------------------------------------------------------ task-mediated
-    def register_partition(
-        self,
-        partition_id: str,
-        fields: Sequence[str],
-        num_samples: int,
-        consumer_tasks: Sequence[str],
-        grpo_group_size: int | None = None,
-    ) -> None:
-        if isinstance(fields, str) or isinstance(consumer_tasks, str):
-            raise TypeError("fields and consumer_tasks must be sequences of names, not a single string")
-        self._ask("register_partition", partition_id, list(fields), num_samples, list(consumer_tasks), grpo_group_size)
-
-    def claim_meta(
-        self,
-        partition_id: str,
-        task_name: str,
-        required_fields: Sequence[str],
-        batch_size: int,
-        dp_rank: int | None = None,
-        blocking: bool = True,
-        timeout_s: float = 60.0,
-    ) -> KVBatchMeta:
-        # The ledger waits (and times out) itself; the round-trip bound only adds headroom for the call.
-        wait = max(0.0, timeout_s) + self._timeout if blocking else self._timeout
-        args = (partition_id, task_name, list(required_fields), batch_size, dp_rank, blocking, timeout_s)
-        return self._ask("claim_meta", *args, timeout_s=wait)
-
-    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> FieldBatch:
-        return self.get_samples(meta.keys, meta.partition_id, resolve_fields(meta, select_fields))
-
-    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
-        return self._ask("check_consumption_status", partition_id, list(task_names))
 
     # ------------------------------------------------------------------ direct by key
     def put_samples(
@@ -215,23 +169,11 @@ class TQDataPlaneClient(DataPlaneClient):
         tags: Sequence[Mapping[str, Any]] | None = None,
     ) -> KVBatchMeta:
         self._check_open()
-        keys = list(keys)
+        keys, cols = check_put(keys, fields, tags)
         n = len(keys)
-        if len(set(keys)) != n:
-            dup = sorted({k for k in keys if keys.count(k) > 1})
-            raise ValueError(f"put_samples: duplicate keys {format_keys(dup)}")
-        if tags is not None and len(tags) != n:
-            raise ValueError(f"put_samples: tags ({len(tags)}) must align 1:1 with keys ({n})")
         tag_list = None if tags is None else [dict(t) for t in tags]
-        cols = {name: as_column(name, v) for name, v in fields.items()}
-        for name, col in cols.items():
-            if col.num_rows != n:
-                raise ValueError(f"put_samples: field '{name}' has {col.num_rows} rows for {n} keys")
-        specs = {
-            name: (col.is_jagged, str(col.dtype).removeprefix("torch."), col.trailing_shape)
-            for name, col in cols.items()
-        }
-        new_keys, new_fields = self._ask("begin_put", partition_id, keys, specs)
+        specs = {name: FieldSpec.of(col) for name, col in cols.items()}
+        new_keys, new_fields = self._call(Ledger.begin_put, partition_id, keys, specs)
         sent = False
         try:
             if n and (cols or tag_list):
@@ -249,11 +191,9 @@ class TQDataPlaneClient(DataPlaneClient):
         except BaseException:
             self._roll_back(partition_id, keys, new_keys, list(cols) if sent else [], new_fields)
             raise
-        rows = {name: (None if c.lengths is None else c.lengths.tolist(), _row_bytes(c)) for name, c in cols.items()}
-        self._ask("commit_put", partition_id, keys, rows, tag_list)
-        return KVBatchMeta(
-            partition_id, keys, list(cols), None, None if tag_list is None else [dict(t) for t in tag_list], {}, None
-        )
+        lengths = {name: None if c.lengths is None else c.lengths.to("cpu") for name, c in cols.items()}
+        self._call(Ledger.commit_put, partition_id, keys, lengths, tag_list)
+        return put_receipt(partition_id, keys, list(cols), tag_list)
 
     def _roll_back(
         self, partition_id: str, keys: list[str], new_keys: list[str], sent_fields: list[str], new_fields: list[str]
@@ -265,24 +205,23 @@ class TQDataPlaneClient(DataPlaneClient):
             if new_keys and sent_fields:
                 self._tq(tq.async_kv_clear(keys=new_keys, partition_id=partition_id), "roll back")
         finally:
-            self._ask("abort_put", partition_id, keys, new_keys, sent_fields, new_fields)
+            self._call(Ledger.abort_put, partition_id, keys, new_keys, sent_fields, new_fields)
 
     def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
         if isinstance(select_fields, str):
             raise TypeError("select_fields must be a sequence of field names, not a single string")
-        self._check_open()
         keys = list(keys)
         names = list(dict.fromkeys(select_fields))
         # The ledger validates (and names what is wrong) while TQ looks the keys up: no added latency.
-        check = self._ledger.check_get.remote(partition_id, keys, names)
+        check = self._submit(Ledger.check_get, partition_id, keys, names)
         uniq = list(dict.fromkeys(keys))
         meta = self._tq(self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), "get") if uniq else None
-        specs: dict[str, FieldSpec] = self._wait(check, "check_get")
+        specs = self._wait(check, "check_get")
         if not keys or not names:
             return {
                 name: Column(
-                    torch.empty((0, *s[2]), dtype=getattr(torch, s[1])),
-                    torch.zeros(0, dtype=torch.int64) if s[0] else None,
+                    torch.empty((0, *s.trailing), dtype=s.torch_dtype),
+                    torch.zeros(0, dtype=torch.int64) if s.jagged else None,
                 )
                 for name, s in specs.items()
             }
@@ -297,70 +236,45 @@ class TQDataPlaneClient(DataPlaneClient):
         out = {name: _from_wire(name, td.get(name), specs[name], len(uniq)) for name in names}
         if len(uniq) != len(keys):
             pos = {k: i for i, k in enumerate(uniq)}
-            idx = torch.tensor([pos[k] for k in keys], dtype=torch.int64)
+            idx = torch.tensor([pos[k] for k in keys], dtype=torch.int64)  # [n]
             out = {name: _take(col, idx) for name, col in out.items()}
         return out
 
     def clear_samples(self, keys: Sequence[str] | None, partition_id: str) -> int:
         if isinstance(keys, str):
             raise TypeError("clear_samples takes a sequence of keys (or None), not a single string")
-        present = self._ask("present", partition_id, None if keys is None else list(keys))
+        present = self._call(Ledger.present, partition_id, None if keys is None else list(keys))
         if present:
             self._tq(tq.async_kv_clear(keys=present, partition_id=partition_id), "clear")
-        return self._ask("remove", partition_id, present)
+        return self._call(Ledger.clear_samples, present, partition_id)
 
-    # ------------------------------------------------------------------ lifecycle and observability
+    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Idempotent. Only the bootstrapping client stops TQ and the ledger (`tq.close()` from any process would
         kill the shared controller); attached clients just stop using them."""
         if self._closed:
             return
         self._closed = True
-        if not self._owns_tq:
+        if not self._owns_actor:
             return
-        try:
-            ray.get(self._ledger.close.remote(), timeout=self._timeout)
-        except Exception:  # the ledger may be gone with its cluster; closing must still succeed
-            pass
-        try:
-            ray.kill(self._ledger)
-        except Exception:
-            pass
+        self._stop_actor()
         try:
             _run_with_timeout(tq.close, self._timeout, "close")
         except Exception:
             pass
 
-    def bytes_held(self) -> dict[str, int]:
-        return {} if self._closed else self._ask("bytes_held")
-
-    def num_samples_held(self) -> int:
-        return self._ask("num_samples_held")
-
-    def keys(self, partition_id: str) -> list[str]:
-        """Live keys of a partition in first-put order (tests and debugging)."""
-        return self._ask("keys", partition_id)
-
     def reset(self, storage_capacity: int | None = None) -> None:
         """Drop every partition (ledger and TQ data), optionally changing the capacity, for every attached
         client at once. For tests and between runs; never while a step is in flight."""
-        self._ask("reset", storage_capacity)
+        super().reset(storage_capacity)
         for pid, held in self._tq(self._tq_client.async_kv_list(None), "list").items():
             if held:  # TQ cannot drop an empty partition (it warns instead)
                 self._tq(self._tq_client.async_clear_partition(pid), "clear_partition")
 
 
-def _row_bytes(col: Column) -> list[int]:
-    """Payload bytes of each row (for `bytes_held`)."""
-    width = col.values[0].numel() * col.values.element_size() if col.values.shape[0] else 0
-    if col.lengths is None:
-        return [width] * col.num_rows
-    return (col.lengths * width + 8).tolist()
-
-
 # ---------------------------------------------------------------------------------------------------- bootstrap
-def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: float) -> Any:
-    if _actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is not None or _actor(LEDGER_NAME, NAMESPACE) is not None:
+def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: float) -> ActorHandle[LedgerHost]:
+    if lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is not None or lookup_actor(LEDGER_NAME) is not None:
         raise RuntimeError(
             "a TransferQueue data plane already runs in this Ray cluster; attach with bootstrap=False, "
             "or close the client that started it"
@@ -385,24 +299,21 @@ def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: flo
             },
         }
     )
-    ledger = _RemoteLedger.options(name=LEDGER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=32).remote(
-        cfg.storage_capacity
-    )
+    ledger = start_host(_RemoteLedger, LEDGER_NAME, cfg.storage_capacity, init_timeout_s)
     try:
-        ray.get(ledger.ping.remote(), timeout=init_timeout_s)
         _run_with_timeout(lambda: tq.init(conf), init_timeout_s, "init")
     except BaseException:
         ray.kill(ledger)
-        controller = _actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE)
+        controller = lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE)
         if controller is not None:
             ray.kill(controller)
         raise
     return ledger
 
 
-def _attach(init_timeout_s: float) -> Any:
-    ledger = _actor(LEDGER_NAME, NAMESPACE)
-    if _actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is None or ledger is None:
+def _attach(init_timeout_s: float) -> ActorHandle[LedgerHost]:
+    ledger = lookup_actor(LEDGER_NAME)
+    if lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is None or ledger is None:
         # tq.init() here would silently start a second, empty TransferQueue instead of attaching.
         raise RuntimeError(
             "no TransferQueue data plane to attach to; the driver must build its client with bootstrap=True first"

@@ -39,7 +39,7 @@ def test_one_segment_per_put_and_segments_freed_when_dead() -> None:
     store.register_partition("p", ["x", "y"], 4, ["t"])
     lens = torch.tensor([3, 1, 2, 4])
     store.put_samples(["a", "b", "c", "d"], "p", {"x": Column(torch.arange(10), lens), "y": torch.zeros(4)})
-    fs = store._parts["p"].columns["x"]
+    fs = store._columns["p"]["x"]
     assert len(fs.segments) == 1 and fs.segments[0].values.shape == (10,)
     # x and y written together with one lengths tensor share offsets (the flat index is built once per get)
     store.put_samples(["b", "d"], "p", {"x": Column(torch.tensor([7, 8, 9, 9, 9]), torch.tensor([1, 4]))})

@@ -1,0 +1,96 @@
+"""The one client shape shared by every backend: a `DataPlaneClient` that forwards to a hosted ledger.
+
+Why: the memory client, the `ray` client and the `transfer_queue` client all forward the same ledger calls
+(declare, claim, consumption status, clear, introspection); only the transport differs. A direct call in this
+process (`memory.MemoryDataPlaneClient`) or one Ray actor call with a deadline (`remote.RemoteClient`).
+
+A call names the hosted method itself (`self._call(Ledger.claim_meta, ...)`), so its arguments and result are
+type-checked against that method; the transport looks the method up by name on the hosted object, so a
+subclass's override (the memory store's `bytes_held`) is what runs.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
+
+from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
+from relayrl.data_plane.ledger import Ledger
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+DEFAULT_CALL_TIMEOUT_S = 120.0
+"""Upper bound for one put/get/clear round trip; a dead or wedged store surfaces as an error, not a hang."""
+
+
+class ProxyClient(DataPlaneClient):
+    """Ledger calls forwarded through `_call_within`, the transport each backend supplies."""
+
+    def __init__(self, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+        self._timeout = call_timeout_s
+        self._closed = False
+
+    @abstractmethod
+    def _call_within(
+        self, timeout_s: float, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """Run the hosted object's `method` (looked up by name), waiting at most `timeout_s` where the transport
+        can bound a wait. Raises `DataPlaneClosedError` once this client is closed."""
+
+    def _call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._call_within(self._timeout, method, *args, **kwargs)
+
+    # ------------------------------------------------------------------ task-mediated
+    def register_partition(
+        self,
+        partition_id: str,
+        fields: Sequence[str],
+        num_samples: int,
+        consumer_tasks: Sequence[str],
+        grpo_group_size: int | None = None,
+    ) -> None:
+        if isinstance(fields, str) or isinstance(consumer_tasks, str):
+            raise TypeError("fields and consumer_tasks must be sequences of names, not a single string")
+        self._call(
+            Ledger.register_partition, partition_id, list(fields), num_samples, list(consumer_tasks), grpo_group_size
+        )
+
+    def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta:
+        # The ledger enforces timeout_s itself; the round-trip bound only adds headroom for the call.
+        wait = max(0.0, timeout_s) + self._timeout if blocking else self._timeout
+        required = list(required_fields)
+        return self._call_within(
+            wait, Ledger.claim_meta, partition_id, task_name, required, batch_size, dp_rank, blocking, timeout_s
+        )
+
+    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
+        return self._call(Ledger.check_consumption_status, partition_id, list(task_names))
+
+    # ------------------------------------------------------------------ direct by key (put and get are the backend's)
+    def clear_samples(self, keys: Sequence[str] | None, partition_id: str) -> int:
+        if isinstance(keys, str):
+            raise TypeError("clear_samples takes a sequence of keys (or None), not a single string")
+        return self._call(Ledger.clear_samples, None if keys is None else list(keys), partition_id)
+
+    # ------------------------------------------------------------------ observability
+    def bytes_held(self) -> dict[str, int]:
+        return {} if self._closed else self._call(Ledger.bytes_held)
+
+    def num_samples_held(self) -> int:
+        return self._call(Ledger.num_samples_held)
+
+    def keys(self, partition_id: str) -> list[str]:
+        """Live keys of a partition in first-put order (leak checks, tests and debugging)."""
+        return self._call(Ledger.keys, partition_id)
