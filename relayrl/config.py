@@ -7,6 +7,7 @@ with the dotted key named. This module imports neither torch nor ray, so validat
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
@@ -14,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 UnitFloat = Annotated[float, Field(gt=0, le=1)]
+
+#: `checkpointing.checkpoint_must_save_by`: days:hours:minutes:seconds, each a non-negative integer.
+_DURATION = re.compile(r"[0-9]+:[0-9]+:[0-9]+:[0-9]+")
+#: What validation reports; `*.stop_at_validation_metric` must name one of them.
+VALIDATION_METRICS = ("accuracy", "avg_length", "num_samples", "pass_k")
 
 #: Shipped with the package (see scripts/make_tiny_model.py); resolved by relayrl.utils.paths.resolve_model_path.
 BUILTIN_TINY_MODEL = "builtin:tiny-arith"
@@ -363,6 +369,12 @@ class CheckpointingConfig(Strict):
     def _metric_prefix(self) -> CheckpointingConfig:
         if self.metric_name is not None and not self.metric_name.startswith(("val:", "train:")):
             raise ValueError("checkpointing.metric_name must start with 'val:' or 'train:'")
+        budget = self.checkpoint_must_save_by
+        if budget is not None and not _DURATION.fullmatch(budget):
+            raise ValueError(
+                f"checkpointing.checkpoint_must_save_by must be DD:HH:MM:SS (e.g. 00:04:00:00 for four hours), "
+                f"got {budget!r}"
+            )
         return self
 
 
@@ -537,10 +549,23 @@ class MasterConfig(Strict):
                     f"micro-batches of {owner}.train_micro_batch_size = {mbs}: make it a multiple of {ranks * mbs}"
                 )
         g = self.grpo
+        if self.algorithm == "grpo" and g.num_generations_per_prompt < 2:
+            raise ValueError(
+                "grpo.num_generations_per_prompt must be >= 2: GRPO's advantage is a reward relative to the other "
+                "generations of the same prompt, so with one generation every advantage is 0 (use algorithm: ppo)"
+            )
+        lo, hi = g.advantage_clip_low, g.advantage_clip_high
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"grpo.advantage_clip_low ({lo}) must be <= grpo.advantage_clip_high ({hi})")
         if g.batch_multiplier != 1 and not g.use_dynamic_sampling:
             raise ValueError("grpo.batch_multiplier must be 1 unless grpo.use_dynamic_sampling is true")
         if r.stop_at_validation_metric is not None and r.stop_at_validation_threshold is None:
             raise ValueError(f"{block}.stop_at_validation_metric requires {block}.stop_at_validation_threshold")
+        if r.stop_at_validation_metric is not None and r.stop_at_validation_metric not in VALIDATION_METRICS:
+            raise ValueError(
+                f"{block}.stop_at_validation_metric {r.stop_at_validation_metric!r} is not a validation metric; "
+                f"use one of {', '.join(VALIDATION_METRICS)}"
+            )
         if r.stop_at_validation_metric == "pass_k" and r.val_num_generations_per_prompt <= 1:
             raise ValueError(f"{block}.stop_at_validation_metric 'pass_k' requires val_num_generations_per_prompt > 1")
         if r.max_val_samples % r.val_batch_size and r.max_val_samples > r.val_batch_size:
@@ -568,6 +593,14 @@ class MasterConfig(Strict):
                 raise ValueError(
                     "data_plane.backend=memory is in-process and cannot be shared by Ray workers; use ray (the default "
                     "on cluster.executor=ray) or transfer_queue"
+                )
+        if self.data_plane.enabled:
+            val_rows = min(r.max_val_samples, r.val_batch_size) * r.val_num_generations_per_prompt
+            need = max(r.rows_per_step * (g.batch_multiplier if self.algorithm == "grpo" else 1), val_rows)
+            if self.data_plane.storage_capacity < need:
+                raise ValueError(
+                    f"data_plane.storage_capacity = {self.data_plane.storage_capacity} is below the {need} samples a "
+                    f"step or validation batch writes; raise it to at least {need}"
                 )
         if p.generation.max_new_tokens >= p.max_total_sequence_length:
             raise ValueError("policy.generation.max_new_tokens must be < policy.max_total_sequence_length")

@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 from relayrl.algorithms.interfaces import LossFunction
+from relayrl.algorithms.preflight import (
+    check_machine,
+    check_model_and_tokenizer,
+    check_task_environments,
+    read_chat_template,
+)
 from relayrl.algorithms.protocols import BatchLoader, Generation, Tokenizer
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import MasterConfig
@@ -59,8 +65,7 @@ def load_tokenizer(cfg: MasterConfig) -> Tokenizer:
         tokenizer.pad_token = tokenizer.eos_token
     template = cfg.policy.tokenizer.chat_template
     if template is not None:
-        tpath = Path(template).expanduser()
-        tokenizer.chat_template = tpath.read_text() if template.endswith(".jinja") and tpath.is_file() else template
+        tokenizer.chat_template = read_chat_template(template)
     if tokenizer.chat_template is None:
         raise ValueError(f"tokenizer at {path} has no chat template; set policy.tokenizer.chat_template")
     return tokenizer
@@ -126,6 +131,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     from relayrl.experience.data import build_dataloaders
 
     check_trainer_executor(cfg)
+    check_machine(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.cluster.torch_num_threads is not None:
         torch.set_num_threads(cfg.cluster.torch_num_threads)
@@ -134,9 +140,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     set_seed(cfg.rollout.seed)
 
     tokenizer = load_tokenizer(cfg)
+    check_model_and_tokenizer(cfg, tokenizer)
     if cfg.algorithm == "ppo":
         _check_value_vocabulary(cfg, tokenizer)
     dataloader, val_dataloader = build_dataloaders(cfg, tokenizer)
+    task_names = _task_names(dataloader, val_dataloader)
+    check_task_environments([cfg.data.train.default_task, *task_names])
     start_ray_for_run(cfg)
     checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
     last = checkpointer.get_latest_checkpoint_path()
@@ -161,7 +170,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
             value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
         policy.shutdown()
         raise
-    task_to_env = build_environments(cfg, _task_names(dataloader, val_dataloader))
+    task_to_env = build_environments(cfg, task_names)
     loss_fn = ClippedPGLossFn(effective_loss_config(cfg))
 
     logger = Logger(cfg.logger, run_dir, total_steps=cfg.rollout.max_num_steps, start_step=save_state.total_steps)
@@ -263,10 +272,14 @@ def _task_names(*loaders: object) -> list[str]:
 
 def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, object]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
+    existed = run_dir.exists()
     try:
         c = setup(cfg, run_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
-        raise SetupError(str(exc).strip("'\"")) from exc
+        if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # a set-up that failed leaves no empty run directory behind
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
+        raise SetupError(message) from exc
     try:
         _train(cfg, c)
     finally:
