@@ -6,20 +6,24 @@ real data. A backend's test module runs them all:
     @pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__)
     def test_contract(check): check(my_factory)
 
-Checks use fresh uuid partition ids, so backends whose store outlives a client (a named Ray actor) are fine.
+Checks use fresh uuid partition ids, so backends whose store outlives a client (a named Ray actor) are fine;
+`hosted_store_fixtures` gives such a backend's module its owner and per-check attached clients.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
 
+from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import (
     CapacityExceededError,
@@ -37,6 +41,36 @@ from relayrl.data_plane.interfaces import (
 
 ClientFactory = Callable[..., DataPlaneClient]
 FIELDS = ["input_ids", "token_mask", "logprobs", "logprobs_bf16", "reward", "grid", "prev_logprobs"]
+
+
+def hosted_store_fixtures(backend_module: str, cfg: DataPlaneConfig) -> tuple[Any, Any]:
+    """`owner` and `make_client` fixtures for a backend whose store lives in a named Ray actor.
+
+    One store serves the whole module (starting one costs seconds to tens of seconds on a 2-core box); each
+    check's client attaches to it after a `reset`, which gives the check an empty store with the capacity it
+    asked for. The backend module's `build_client(cfg, bootstrap=...)` builds both sides."""
+
+    def build(bootstrap: bool) -> Any:
+        return importlib.import_module(backend_module).build_client(cfg, bootstrap=bootstrap)
+
+    @pytest.fixture(scope="module", name="owner")
+    def owner(ray_cluster: None) -> Iterator[Any]:
+        client = build(True)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    @pytest.fixture(name="make_client")
+    def make_client(owner: Any) -> ClientFactory:
+        def make(storage_capacity: int = 10_000) -> DataPlaneClient:
+            owner.reset(storage_capacity)
+            client: DataPlaneClient = build(False)
+            return client
+
+        return make
+
+    return owner, make_client
 
 
 @contextmanager

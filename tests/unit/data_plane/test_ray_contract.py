@@ -1,18 +1,18 @@
 """The contract suite on the `ray` backend: the columnar store hosted in a named Ray actor.
 
-One store actor serves the whole module (starting an actor process costs seconds on a 2-core box); each check's
-client attaches to it after a `reset`, which gives the check an empty store with the capacity it asked for.
+One store actor serves the whole module; each check's client attaches to it after a `reset` (see
+`contract.hosted_store_fixtures`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import DataPlaneClient
-from tests.unit.data_plane.contract import CONTRACT_CHECKS
+from tests.unit.data_plane.contract import CONTRACT_CHECKS, hosted_store_fixtures
 
 ray = pytest.importorskip("ray")
 
@@ -21,27 +21,7 @@ pytestmark = pytest.mark.ray
 CFG = DataPlaneConfig(enabled=True, backend="ray", storage_capacity=10_000)
 
 
-@pytest.fixture(scope="module")
-def ray_store(ray_cluster: None) -> Iterator[DataPlaneClient]:
-    from relayrl.data_plane.ray_store import build_client
-
-    owner = build_client(CFG, bootstrap=True)
-    try:
-        yield owner
-    finally:
-        owner.close()
-
-
-@pytest.fixture
-def make_client(ray_store: DataPlaneClient) -> Callable[..., DataPlaneClient]:
-    from relayrl.data_plane.ray_store import RayDataPlaneClient, build_client
-
-    def make(storage_capacity: int = 10_000) -> DataPlaneClient:
-        assert isinstance(ray_store, RayDataPlaneClient)
-        ray_store.reset(storage_capacity)
-        return build_client(CFG, bootstrap=False)
-
-    return make
+owner, make_client = hosted_store_fixtures("relayrl.data_plane.ray_store", CFG)
 
 
 @pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__)

@@ -6,7 +6,7 @@ module; each check's client attaches to it after a `reset` (empty store, the cap
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import torch
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import DataPlaneClient, FieldNotWrittenError, MissingKeysError
-from tests.unit.data_plane.contract import CONTRACT_CHECKS
+from tests.unit.data_plane.contract import CONTRACT_CHECKS, hosted_store_fixtures
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")
@@ -24,27 +24,7 @@ pytestmark = pytest.mark.ray
 CFG = DataPlaneConfig(enabled=True, backend="transfer_queue", storage_capacity=10_000)
 
 
-@pytest.fixture(scope="module")
-def tq_owner(ray_cluster: None) -> Iterator[DataPlaneClient]:  # noqa: F811
-    from relayrl.data_plane.tq_adapter import build_client
-
-    owner = build_client(CFG, bootstrap=True)
-    try:
-        yield owner
-    finally:
-        owner.close()
-
-
-@pytest.fixture
-def make_client(tq_owner: DataPlaneClient) -> Callable[..., DataPlaneClient]:
-    from relayrl.data_plane.tq_adapter import TQDataPlaneClient, build_client
-
-    def make(storage_capacity: int = 10_000) -> DataPlaneClient:
-        assert isinstance(tq_owner, TQDataPlaneClient)
-        tq_owner.reset(storage_capacity)
-        return build_client(CFG, bootstrap=False)
-
-    return make
+owner, make_client = hosted_store_fixtures("relayrl.data_plane.tq_adapter", CFG)
 
 
 @pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__)
@@ -106,7 +86,7 @@ def test_put_that_tq_reports_but_does_not_record_is_rolled_back(
     c.close()
 
 
-def test_second_bootstrap_fails_clearly(tq_owner: DataPlaneClient) -> None:
+def test_second_bootstrap_fails_clearly(owner: DataPlaneClient) -> None:
     from relayrl.data_plane.tq_adapter import build_client
 
     with pytest.raises(RuntimeError, match="already runs"):
