@@ -1,0 +1,50 @@
+"""Helpers shared by the tests (`from tests.helpers import ...`): float32 tolerances derived from rounding error."""
+
+from __future__ import annotations
+
+import math
+
+#: float32 machine epsilon (2**-23; twice the unit roundoff u = 2**-24).
+EPS_F32 = 2.0**-23
+#: Rounding errors of a sum, modelled as independent and mean-zero, exceed K * sqrt(n) * eps * sum|terms| (that is
+#: lambda = 2K = 6 in Higham & Mary's probabilistic bound, SIAM J. Sci. Comput. 2019) with probability below about
+#: 2n * exp(-lambda**2 / 2) = 3e-8 n.
+K = 3.0
+
+
+def f32_tol(scale: float, n: int) -> float:
+    """How far a float32 sum of `n` terms, each at most `scale` in magnitude, can move when it is computed in another
+    order (other kernels, another split over micro-batches or ranks): K * eps_f32 * sqrt(n) * scale."""
+    return K * EPS_F32 * math.sqrt(n) * scale
+
+
+def adam_rho(steps: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """Largest |m_hat| / sqrt(v_hat) of Adam's bias-corrected moments within `steps` steps (Cauchy-Schwarz over the
+    steps' weights a_t in m_hat and b_t in v_hat: sqrt(sum a_t**2 / b_t); 1.0 at 1 step, 1.016 at 6)."""
+    b1, b2 = betas
+    a = [(1 - b1) * b1**k / (1 - b1**steps) for k in range(steps)]
+    b = [(1 - b2) * b2**k / (1 - b2**steps) for k in range(steps)]
+    return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
+
+
+def adamw_weight_tol(
+    grad_tol: float,
+    *,
+    lr: float,
+    steps: int,
+    eps: float,
+    weight_scale: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> float:
+    """Bound on the difference of weights after `steps` AdamW steps (no weight decay) whose gradients differ by at
+    most `grad_tol` per coordinate.
+
+    The update m_hat / (sqrt(v_hat) + eps) moves by at most (1 + rho) * grad_tol / eps: m_hat (a weighted mean of the
+    gradients) and sqrt(v_hat) (a weighted root-mean-square) each move by at most grad_tol, and |m_hat| <= rho *
+    sqrt(v_hat) (`adam_rho`). Each step moves a weight by lr times that, plus the rounding of the step itself (half
+    an ulp of |w| <= `weight_scale` on each side). At AdamW's default eps = 1e-8 the bound exceeds lr: a coordinate
+    whose gradient is ~1e-8 (the tiny test model's k_proj.bias has several) takes a step of up to lr whose size
+    and sign rounding decides. A test comparing weights needs eps near the gradients' own scale.
+    """
+    per_step = lr * (1 + adam_rho(steps, betas)) * grad_tol / eps + EPS_F32 * weight_scale
+    return steps * per_step
