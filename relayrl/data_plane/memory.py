@@ -25,10 +25,10 @@ from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.codec import Column, FieldSpec, flat_token_index
 from relayrl.data_plane.interfaces import (
     DataPlaneClient,
-    DataPlaneClosedError,
     FieldBatch,
     FieldValue,
     KVBatchMeta,
+    Tags,
     check_put,
     put_receipt,
 )
@@ -272,22 +272,15 @@ class MemoryDataPlaneClient(ProxyClient):
     def _call_within(
         self, timeout_s: float, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> R:
-        if self._closed:
-            raise DataPlaneClosedError("this data plane client is closed")
+        self._check_open()
         bound: Callable[P, R] = getattr(self.store, method.__name__)  # the store's own override runs
         return bound(*args, **kwargs)
 
-    def put_samples(
-        self,
-        keys: Sequence[str],
-        partition_id: str,
-        fields: Mapping[str, FieldValue],
-        tags: Sequence[Mapping[str, Any]] | None = None,
-    ) -> KVBatchMeta:
-        return self._call(ColumnarStore.put_samples, keys, partition_id, fields, tags)
+    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
+        return self._call(ColumnarStore.put_samples, keys, partition_id, cols, tags)
 
-    def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
-        return self._call(ColumnarStore.get_samples, keys, partition_id, select_fields)
+    def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
+        return self._call(ColumnarStore.get_samples, keys, partition_id, names)
 
     def close(self) -> None:
         if self._closed:

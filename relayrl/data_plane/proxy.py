@@ -12,10 +12,19 @@ subclass's override (the memory store's `bytes_held`) is what runs.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
+from relayrl.data_plane.codec import Column
+from relayrl.data_plane.interfaces import (
+    DataPlaneClient,
+    DataPlaneClosedError,
+    FieldBatch,
+    FieldValue,
+    KVBatchMeta,
+    Tags,
+    check_put,
+)
 from relayrl.data_plane.ledger import Ledger
 
 P = ParamSpec("P")
@@ -27,11 +36,16 @@ DEFAULT_CALL_TIMEOUT_S = 120.0
 
 
 class ProxyClient(DataPlaneClient):
-    """Ledger calls forwarded through `_call_within`, the transport each backend supplies."""
+    """Ledger calls forwarded through `_call_within`, the transport each backend supplies; puts and gets are
+    checked here once and handed to the backend's `_put` / `_get`, which move the bulk data."""
 
     def __init__(self, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
         self._timeout = call_timeout_s
         self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DataPlaneClosedError("this data plane client is closed")
 
     @abstractmethod
     def _call_within(
@@ -78,7 +92,31 @@ class ProxyClient(DataPlaneClient):
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         return self._call(Ledger.check_consumption_status, partition_id, list(task_names))
 
-    # ------------------------------------------------------------------ direct by key (put and get are the backend's)
+    # ------------------------------------------------------------------ direct by key
+    def put_samples(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Mapping[str, FieldValue],
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        self._check_open()
+        key_list, cols = check_put(keys, fields, tags)
+        return self._put(key_list, partition_id, cols, None if tags is None else [dict(t) for t in tags])
+
+    @abstractmethod
+    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
+        """Store a put whose arguments are consistent (`check_put`); the store validates it against the ledger."""
+
+    def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
+        if isinstance(select_fields, str):
+            raise TypeError("select_fields must be a sequence of field names, not a single string")
+        return self._get(list(keys), partition_id, list(dict.fromkeys(select_fields)))
+
+    @abstractmethod
+    def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
+        """Fetch `names` (de-duplicated) for `keys`, rows in key order."""
+
     def clear_samples(self, keys: Sequence[str] | None, partition_id: str) -> int:
         if isinstance(keys, str):
             raise TypeError("clear_samples takes a sequence of keys (or None), not a single string")

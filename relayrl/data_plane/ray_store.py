@@ -14,8 +14,7 @@ get is one actor call whose packed result the caller maps straight from the obje
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import ray
@@ -23,8 +22,8 @@ import torch
 from ray.actor import ActorClass, ActorHandle
 
 from relayrl.config import DataPlaneConfig
-from relayrl.data_plane.codec import Column, as_column
-from relayrl.data_plane.interfaces import FieldBatch, FieldValue, KVBatchMeta
+from relayrl.data_plane.codec import Column
+from relayrl.data_plane.interfaces import FieldBatch, KVBatchMeta, Tags
 from relayrl.data_plane.memory import ColumnarStore
 from relayrl.data_plane.proxy import DEFAULT_CALL_TIMEOUT_S
 from relayrl.data_plane.remote import NAMESPACE, LedgerHost, RemoteClient, knob, lookup_actor, start_host
@@ -81,9 +80,7 @@ class StoreActor(LedgerHost):
     def _new_ledger(self, storage_capacity: int) -> ColumnarStore:
         return ColumnarStore(storage_capacity)
 
-    def put(
-        self, keys: list[str], partition_id: str, wire: WireBatch, tags: list[dict[str, Any]] | None
-    ) -> KVBatchMeta:
+    def put(self, keys: list[str], partition_id: str, wire: WireBatch, tags: list[Tags] | None) -> KVBatchMeta:
         # No copy here: the store makes its own private copy of every put.
         cols = {name: column_from_wire(w, copy=False) for name, w in wire.items()}
         return self.ledger.put_samples(keys, partition_id, cols, tags)
@@ -102,29 +99,14 @@ class RayDataPlaneClient(RemoteClient):
 
     _label = "ray data plane"
 
-    def __init__(
-        self, actor: ActorHandle[LedgerHost], *, owns_actor: bool, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
-    ):
-        super().__init__(actor, owns_actor=owns_actor, call_timeout_s=call_timeout_s)
-
-    def put_samples(
-        self,
-        keys: Sequence[str],
-        partition_id: str,
-        fields: Mapping[str, FieldValue],
-        tags: Sequence[Mapping[str, Any]] | None = None,
-    ) -> KVBatchMeta:
-        self._check_open()
-        wire = {name: column_to_wire(as_column(name, value)) for name, value in fields.items()}
+    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
+        wire = {name: column_to_wire(col) for name, col in cols.items()}
         # Bulk goes to the object store once; Ray hands the actor the value of a top-level ObjectRef argument.
         payload = cast(WireBatch, ray.put(wire))
-        tag_list = None if tags is None else [dict(t) for t in tags]
-        return self._call(StoreActor.put, list(keys), partition_id, payload, tag_list)
+        return self._call(StoreActor.put, keys, partition_id, payload, tags)
 
-    def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
-        if isinstance(select_fields, str):
-            raise TypeError("select_fields must be a sequence of field names, not a single string")
-        wire = self._call(StoreActor.get, list(keys), partition_id, list(select_fields))
+    def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
+        wire = self._call(StoreActor.get, keys, partition_id, names)
         # Zero-copy: the tensors map this call's own result object in the object store (a copy the store made
         # for this caller alone, so writing to them is safe); it is released when they are dropped.
         return {name: column_from_wire(w, copy=False) for name, w in wire.items()}

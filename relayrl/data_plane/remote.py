@@ -25,7 +25,7 @@ from relayrl.config import DataPlaneConfig
 from relayrl.data_plane import interfaces as ifc
 from relayrl.data_plane.interfaces import ClaimTimeoutError, DataPlaneClosedError, DataPlaneError
 from relayrl.data_plane.ledger import Ledger
-from relayrl.data_plane.proxy import ProxyClient
+from relayrl.data_plane.proxy import DEFAULT_CALL_TIMEOUT_S, ProxyClient
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -121,14 +121,12 @@ class RemoteClient(ProxyClient):
     _label: ClassVar[str] = "data plane"
     """How errors name this backend's calls (`"<label> <method> did not complete ..."`)."""
 
-    def __init__(self, actor: ActorHandle[LedgerHost], *, owns_actor: bool, call_timeout_s: float):
+    def __init__(
+        self, actor: ActorHandle[LedgerHost], *, owns_actor: bool, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    ):
         super().__init__(call_timeout_s)
         self._actor = actor
         self._owns_actor = owns_actor
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DataPlaneClosedError("this data plane client is closed")
 
     def _submit(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> ray.ObjectRef[R]:
         """Start one call without waiting (the TQ adapter overlaps a ledger check with its TQ call)."""

@@ -24,7 +24,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import psutil
@@ -38,9 +38,8 @@ from relayrl.data_plane.interfaces import (
     ClaimTimeoutError,
     DataPlaneClosedError,
     FieldBatch,
-    FieldValue,
     KVBatchMeta,
-    check_put,
+    Tags,
     put_receipt,
 )
 from relayrl.data_plane.ledger import Ledger
@@ -161,25 +160,16 @@ class TQDataPlaneClient(RemoteClient):
             raise ClaimTimeoutError(f"transfer_queue: {what} did not complete within {self._timeout:.0f}s") from None
 
     # ------------------------------------------------------------------ direct by key
-    def put_samples(
-        self,
-        keys: Sequence[str],
-        partition_id: str,
-        fields: Mapping[str, FieldValue],
-        tags: Sequence[Mapping[str, Any]] | None = None,
-    ) -> KVBatchMeta:
-        self._check_open()
-        keys, cols = check_put(keys, fields, tags)
+    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
         n = len(keys)
-        tag_list = None if tags is None else [dict(t) for t in tags]
         specs = {name: FieldSpec.of(col) for name, col in cols.items()}
         new_keys, new_fields = self._call(Ledger.begin_put, partition_id, keys, specs)
         sent = False
         try:
-            if n and (cols or tag_list):
+            if n and (cols or tags):
                 td = TensorDict({name: _to_wire(c) for name, c in cols.items()}, batch_size=[n]) if cols else None
                 sent = True
-                self._tq(tq.async_kv_batch_put(keys=keys, partition_id=partition_id, fields=td, tags=tag_list), "put")
+                self._tq(tq.async_kv_batch_put(keys=keys, partition_id=partition_id, fields=td, tags=tags), "put")
                 if cols:  # TQ reports success even when the controller rejected the update: check it recorded all
                     meta = self._tq(self._tq_client.async_kv_retrieve_meta(keys, partition_id, False), "put check")
                     lost = [name for name in cols if name not in meta.field_names]
@@ -192,8 +182,8 @@ class TQDataPlaneClient(RemoteClient):
             self._roll_back(partition_id, keys, new_keys, list(cols) if sent else [], new_fields)
             raise
         lengths = {name: None if c.lengths is None else c.lengths.to("cpu") for name, c in cols.items()}
-        self._call(Ledger.commit_put, partition_id, keys, lengths, tag_list)
-        return put_receipt(partition_id, keys, list(cols), tag_list)
+        self._call(Ledger.commit_put, partition_id, keys, lengths, tags)
+        return put_receipt(partition_id, keys, list(cols), tags)
 
     def _roll_back(
         self, partition_id: str, keys: list[str], new_keys: list[str], sent_fields: list[str], new_fields: list[str]
@@ -207,11 +197,7 @@ class TQDataPlaneClient(RemoteClient):
         finally:
             self._call(Ledger.abort_put, partition_id, keys, new_keys, sent_fields, new_fields)
 
-    def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
-        if isinstance(select_fields, str):
-            raise TypeError("select_fields must be a sequence of field names, not a single string")
-        keys = list(keys)
-        names = list(dict.fromkeys(select_fields))
+    def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
         # The ledger validates (and names what is wrong) while TQ looks the keys up: no added latency.
         check = self._submit(Ledger.check_get, partition_id, keys, names)
         uniq = list(dict.fromkeys(keys))
