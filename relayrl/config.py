@@ -206,6 +206,10 @@ class RolloutConfig(Strict):
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     seq_logprob_error_threshold: PositiveFloat | None = None
     skip_reference_policy_logprobs_calculation: bool = False
+    non_finite: Literal["stop", "skip"] = "stop"
+    """A NaN or infinite reward or advantage: `stop` ends the run before that step changes any weight, naming the
+    step and samples; `skip` drops the offending samples' groups from the step and counts them
+    (`train/non_finite_samples_skipped`)."""
 
     @property
     def rows_per_step(self) -> int:

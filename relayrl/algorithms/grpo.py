@@ -26,6 +26,9 @@ from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
     driver_nbytes,
     first_assistant_lengths,
+    guard_finite,
+    guard_rewards,
+    guard_update,
     message_log_sample_rows,
     resolve_logprob_skip_flags,
     step_metrics,
@@ -109,6 +112,7 @@ class GRPOSteps:
         self.batch_cache: BatchedDataDict | None = None
         self.num_gen_batches = 0
         self.pending_rewards: list[torch.Tensor] = []  # every reward generated this step, for train/reward
+        self.skipped = 0  # samples dropped this step for a non-finite reward (non_finite: skip)
 
     def close(self) -> None:
         """Nothing to release: the legacy trainer owns no actor."""
@@ -123,6 +127,7 @@ class GRPOSteps:
             )
             repeated["prompt_ids"] = prompt_flat["token_ids"]  # [B, P]
         repeated, rollout_metrics = self._generate(repeated)
+        self._guard_rewards(repeated, step)
         with timer.time("reward_calculation"):
             rewards, baseline, std = self._rewards(repeated)
         with timer.time("dynamic_sampling"):  # drop zero-std groups, accumulate survivors across generation batches
@@ -152,9 +157,11 @@ class GRPOSteps:
         with timer.time("advantage_calculation"):
             mask = train_data["token_mask"] * train_data["sample_mask"].unsqueeze(-1)  # [B, S]
             train_data["advantages"] = self._advantages(train_batch, train_data, flat, rewards, mask)  # [B, S]
+            guard_finite("advantages", train_data["advantages"], step)
         with timer.time("policy_training"):
             self.policy.prepare_for_training()
             train_results = self.policy.train(train_data, self.loss_fn)
+            guard_update(train_results, step)
             self.policy.finish_training()
         metrics = step_metrics(
             train_results=train_results,
@@ -168,7 +175,18 @@ class GRPOSteps:
             ds_metrics=ds_metrics,
         )
         metrics["driver_bytes"] = float(driver_nbytes(train_data))  # the legacy path moves every byte through here
+        if self.skipped:
+            metrics["non_finite_samples_skipped"], self.skipped = float(self.skipped), 0
         return StepOutput(metrics, message_log_sample_rows(train_batch["message_log"], rewards, step, self.cfg))
+
+    def _guard_rewards(self, repeated: BatchedDataDict, step: int) -> None:
+        """Stop on a non-finite reward, or take its prompt's group out of the loss (`non_finite: skip`)."""
+        repeated["total_reward"], drop = guard_rewards(
+            repeated["total_reward"], self.g.num_generations_per_prompt, self.cfg, step
+        )
+        if drop is not None:
+            repeated["loss_multiplier"] = repeated["loss_multiplier"].masked_fill(drop, 0)
+            self.skipped += int(drop.sum())
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[BatchedDataDict, dict[str, float]]:
         """Roll out every row (the engine reads the current weights; it refuses stale ones)."""

@@ -31,6 +31,9 @@ from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
     carry_sample_rows,
+    guard_finite,
+    guard_rewards,
+    guard_update,
     resolve_logprob_skip_flags,
     rollout_carry_keys,
     step_metrics,
@@ -137,6 +140,9 @@ class GRPOSyncSteps:
         with timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
             repeated = batch.repeat_interleave(g.num_generations_per_prompt)
         meta, carry, rollout_metrics = self._generate(repeated)
+        carry["total_reward"], drop = guard_rewards(carry["total_reward"], g.num_generations_per_prompt, self.cfg, step)
+        if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
+            carry["non_finite_drop"] = drop
         with timer.time("reward_calculation"):  # on the carry only
             rewards = self._rewards(meta, carry)
         ds_metrics: dict[str, float] = {}
@@ -169,9 +175,11 @@ class GRPOSyncSteps:
             )
         with timer.time("advantage_calculation"):
             adv_metrics = self._advantages(meta, carry, rewards, sample_mask, stored_mask)
+            guard_finite("advantages", list(adv_metrics.values()), step)
         with timer.time("policy_training"):  # every DP worker fetches its keys
             self.policy.prepare_for_training()
             train_results = self.policy.train_from_meta(meta, self.loss_fn, timer=timer, train_fields=self.train_fields)
+            guard_update(train_results, step)
             self.policy.finish_training()
         self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
         metrics = step_metrics(
@@ -186,6 +194,8 @@ class GRPOSyncSteps:
             ds_metrics=ds_metrics,
         )
         self._byte_metrics(meta, metrics, step)
+        if "non_finite_drop" in carry:
+            metrics["non_finite_samples_skipped"] = float(carry["non_finite_drop"].sum())
         self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
         return StepOutput(metrics, carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log))
 
@@ -260,6 +270,8 @@ class GRPOSyncSteps:
     def _sample_mask(self, meta: KVBatchMeta, carry: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor]:
         """Overlong filtering on the per-row mask. Returns (sample_mask, what the store holds), both [B]."""
         sample_mask = carry["loss_multiplier"].clone().float()  # [B]
+        if "non_finite_drop" in carry:
+            sample_mask[carry["non_finite_drop"]] = 0.0
         if self.g.overlong_filtering:
             sample_mask[carry["truncated"].bool()] = 0.0
         stored_mask = carry["loss_multiplier"].float()  # [B] what the store's sample_mask holds

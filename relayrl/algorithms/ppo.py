@@ -30,6 +30,8 @@ from relayrl.algorithms.trainer_common import (
     PolicyAndCritic,
     driver_nbytes,
     first_assistant_lengths,
+    guard_finite,
+    guard_rewards,
     message_log_sample_rows,
     ppo_epochs,
     ppo_step_metrics,
@@ -128,6 +130,11 @@ class PPOSteps:
             )
             prompt_ids = prompt_flat["token_ids"]  # [B, P]
         repeated, rollout_metrics = self._generate(repeated)
+        repeated["total_reward"], drop = guard_rewards(
+            repeated["total_reward"], p.num_generations_per_prompt, self.cfg, step
+        )
+        if drop is not None:  # non_finite: skip
+            repeated["loss_multiplier"] = repeated["loss_multiplier"].masked_fill(drop, 0)
         with timer.time("reward_calculation"):
             lengths = functools.partial(first_assistant_lengths, repeated["message_log"])
             rewards, _ = post_process_rewards(repeated["total_reward"], repeated["truncated"], lengths, p)  # [B]
@@ -160,6 +167,8 @@ class PPOSteps:
             )
             train_data["advantages"] = advantages  # [B, S]
             train_data["returns"] = returns  # [B, S]
+            guard_finite("advantages", advantages, step)
+            guard_finite("returns", returns, step)
         train_policy, critic_metrics, metrics = ppo_epochs(
             timer,
             p,
@@ -184,6 +193,8 @@ class PPOSteps:
         )
         self.logger.log_metrics(critic_metrics, step, prefix="critic")
         samples = message_log_sample_rows(repeated["message_log"], rewards, step, self.cfg)
+        if drop is not None:
+            metrics["non_finite_samples_skipped"] = float(drop.sum())
         return StepOutput(metrics, samples, {"critic": critic_metrics})
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[BatchedDataDict, dict[str, float]]:

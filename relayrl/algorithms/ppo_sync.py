@@ -46,6 +46,8 @@ from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
     PolicyAndCritic,
     carry_sample_rows,
+    guard_finite,
+    guard_rewards,
     ppo_epochs,
     ppo_step_metrics,
     rollout_carry_keys,
@@ -143,6 +145,9 @@ class PPOSyncSteps:
         with timer.time("data_processing"):  # repeat prompts G times (the actor flattens and groups them)
             repeated = batch.repeat_interleave(p.num_generations_per_prompt)
         meta, carry, rollout_metrics, carry_bytes = self._generate(repeated)
+        carry["total_reward"], drop = guard_rewards(carry["total_reward"], p.num_generations_per_prompt, self.cfg, step)
+        if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
+            carry["non_finite_drop"] = drop
         with timer.time("reward_calculation"):
             lengths = functools.partial(carry.__getitem__, "response_token_lengths")
             rewards, _ = post_process_rewards(carry["total_reward"], carry["truncated"], lengths, p)  # [B]
@@ -171,6 +176,7 @@ class PPOSyncSteps:
             adv_metrics = value.compute_advantages_from_meta(
                 meta, self.estimator, logprob_fields=self.kl_fields, timer=timer
             )
+            guard_finite("advantages", list(adv_metrics.values()), step)
         train_policy, critic_metrics, metrics = ppo_epochs(
             timer,
             p,
@@ -200,6 +206,8 @@ class PPOSyncSteps:
         self.logger.log_metrics(dp_metrics, step)
         samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
         self.logger.log_metrics(critic_metrics, step, prefix="critic")
+        if drop is not None:
+            metrics["non_finite_samples_skipped"] = float(drop.sum())
         return StepOutput(metrics, samples, {"critic": critic_metrics})
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], int]:
@@ -226,6 +234,8 @@ class PPOSyncSteps:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Overlong filtering; per-row rewards (and the mask, if it changed) go to the store. Returns the mask [B]."""
         sample_mask = carry["loss_multiplier"].clone().float()  # [B]
+        if "non_finite_drop" in carry:
+            sample_mask[carry["non_finite_drop"]] = 0.0
         truncated = carry["truncated"].bool()  # [B]
         num_filtered = 0
         if self.p.overlong_filtering:

@@ -13,13 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from relayrl.algorithms.protocols import BatchLoader, Checkpointable, Checkpointer, Generation, TrainLogger
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.utils.checkpoint import GRPOSaveState
+from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, GRPOSaveState, save_state_file
 from relayrl.utils.seeding import capture_rng_state
+from relayrl.utils.signals import GracefulStop, TrainingInterrupted
 from relayrl.utils.timer import TimeoutChecker, Timer
 
 __all__ = ["LoopParts", "StepOutput", "TrainerSteps", "early_stop_reached", "run_loop", "save_checkpoint"]
@@ -65,34 +64,43 @@ class LoopParts:
 
 
 def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
-    """Run until max_num_steps / max_num_epochs / early stop / wall-clock budget. Returns the last metrics."""
+    """Run until max_num_steps / max_num_epochs / early stop / wall-clock budget. Returns the last metrics.
+
+    SIGINT / SIGTERM end the current step, which is then checkpointed, and raise `TrainingInterrupted`.
+    """
     cfg, state, timer, r = parts.cfg, parts.state, parts.timer, parts.cfg.rollout
     timeout = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
     timeout.start_iterations()
     tail = StepTail(parts, timeout, trainer.validate)
-    try:
-        if r.val_at_start and state.total_steps == 0:
-            val_metrics = trainer.validate(0)
-            if early_stop_reached(val_metrics, cfg):
-                return {"validation": val_metrics}
-        last: dict[str, object] = {}
-        while state.current_epoch < r.max_num_epochs and state.total_steps < r.max_num_steps:
-            for batch in parts.dataloader:
-                step = state.total_steps + 1
-                timer.start("total_step_time")
-                out = trainer.step(batch, step)
-                if out is None:
-                    timer.stop("total_step_time")
-                    continue
-                stop, last = tail.finish(step, out.metrics, out.samples)
-                last.update(out.extra)
-                if stop:
-                    return last
-            state.current_epoch += 1
-            state.current_step = 0
-        return last
-    finally:
-        trainer.close()
+    notice = "relayrl: stopping after this step and saving a checkpoint (Ctrl-C again exits at once)"
+    with GracefulStop(notice) as stop:
+        try:
+            if r.val_at_start and state.total_steps == 0:
+                val_metrics = trainer.validate(0)
+                if early_stop_reached(val_metrics, cfg):
+                    return {"validation": val_metrics}
+            last: dict[str, object] = {}
+            while state.current_epoch < r.max_num_epochs and state.total_steps < r.max_num_steps:
+                for batch in parts.dataloader:
+                    if stop.requested is not None:  # asked to stop between steps (or mid dynamic sampling)
+                        raise TrainingInterrupted(stop.requested, state.total_steps, saved=False)
+                    step = state.total_steps + 1
+                    timer.start("total_step_time")
+                    out = trainer.step(batch, step)
+                    if out is None:
+                        timer.stop("total_step_time")
+                        continue
+                    done, last = tail.finish(step, out.metrics, out.samples, save_now=stop.requested is not None)
+                    last.update(out.extra)
+                    if stop.requested is not None:
+                        raise TrainingInterrupted(stop.requested, step, saved=cfg.checkpointing.enabled)
+                    if done:
+                        return last
+                state.current_epoch += 1
+                state.current_step = 0
+            return last
+        finally:
+            trainer.close()
 
 
 def should_validate(total_steps_done: int, cfg: MasterConfig, is_last_step: bool) -> bool:
@@ -139,9 +147,9 @@ def save_checkpoint(
         optimizer_path=str(tmp / "policy" / "optimizer") if cfg.checkpointing.save_optimizer else None,
         tokenizer_path=str(tmp / "policy" / "tokenizer"),
     )
-    torch.save(dataloader.state_dict(), tmp / "train_dataloader.pt")
+    save_state_file(tmp / DATALOADER_STATE, dataloader.state_dict())  # safetensors + JSON: nothing to unpickle
     rng = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
-    torch.save(rng, tmp / "rng_state.pt")
+    save_state_file(tmp / RNG_STATE, rng)
     return checkpointer.finalize_checkpoint(tmp)
 
 
@@ -158,8 +166,10 @@ class StepTail:
             state.current_epoch + 1 == r.max_num_epochs and state.current_step + 1 == len(self.parts.dataloader)
         )
 
-    def finish(self, step: int, metrics: Metrics, samples: list[dict[str, object]]) -> tuple[bool, dict[str, object]]:
-        """Validate if due, update counters, checkpoint if due, log. Returns (stop training, last metrics)."""
+    def finish(
+        self, step: int, metrics: Metrics, samples: list[dict[str, object]], save_now: bool = False
+    ) -> tuple[bool, dict[str, object]]:
+        """Validate if due, update counters, checkpoint if due (or `save_now`), log. Returns (stop, last metrics)."""
         p = self.parts
         cfg, state, timer, r = p.cfg, p.state, p.timer, p.cfg.rollout
         is_last = self.is_last_step(step)
@@ -173,7 +183,7 @@ class StepTail:
         self.timeout.mark_iteration()
         out_of_time = self.timeout.check_save()
         if cfg.checkpointing.enabled and (
-            is_last or stop_early or out_of_time or step % cfg.checkpointing.save_period == 0
+            is_last or stop_early or out_of_time or save_now or step % cfg.checkpointing.save_period == 0
         ):
             with timer.time("checkpointing"):
                 state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None

@@ -22,6 +22,48 @@ from relayrl.environments.interfaces import MessageLog
 from relayrl.utils.timer import Timer
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN or infinite reward, advantage, loss or gradient norm, caught before it changed any weight."""
+
+
+def guard_rewards(
+    rewards: torch.Tensor, group_size: int, cfg: MasterConfig, step: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Non-finite rewards [B]: stop the run, or (`non_finite: skip`) zero every row of an offending prompt's group.
+
+    Returns (rewards, drop): `drop` [B] marks the rows to take out of the loss, None when every reward is finite
+    (then `rewards` is returned untouched, so a healthy run computes exactly what it did without the guard).
+    """
+    bad = ~torch.isfinite(rewards.float())  # [B]
+    if not bool(bad.any()):
+        return rewards, None
+    rows = bad.nonzero().flatten().tolist()
+    block = cfg.algorithm
+    if cfg.rollout.non_finite == "stop":
+        shown = ", ".join(map(str, rows[:8])) + (" ..." if len(rows) > 8 else "")
+        raise NonFiniteError(
+            f"non-finite reward at step {step} in {len(rows)} sample(s) (rows {shown}); stopped before any weight "
+            f"changed: fix the reward function, or set {block}.non_finite=skip to drop such samples"
+        )
+    groups = bad.view(-1, group_size).any(dim=1)  # [B / G]
+    drop = groups.repeat_interleave(group_size)  # [B]
+    return rewards.masked_fill(drop, 0.0), drop
+
+
+def guard_finite(name: str, values: torch.Tensor | list[float], step: int) -> None:
+    """A quantity the step computed from finite rewards must be finite: stop, naming it and the step."""
+    if not bool(torch.isfinite(torch.as_tensor(values)).all()):
+        raise NonFiniteError(f"non-finite {name} at step {step}; stopped before any weight changed")
+
+
+def guard_update(result: dict[str, Any], step: int) -> None:
+    """The loss and gradient norm of an update must be finite; else stop before the step is checkpointed."""
+    for name in ("loss", "grad_norm"):
+        value = result.get(name)
+        if value is not None and not bool(torch.isfinite(torch.as_tensor(value)).all()):
+            raise NonFiniteError(f"non-finite {name} at step {step}; stopped before any checkpoint of it was written")
+
+
 def on_policy_single_step(cfg: MasterConfig) -> bool:
     """True when `grpo.skip_prev_logprobs_when_on_policy` applies: every training step is exactly one optimizer
     step on rollouts of the current weights, so a separate old-policy logprob pass would recompute what the
@@ -184,11 +226,13 @@ def ppo_epochs(
         with timer.time("value_training"):
             value.prepare_for_training()
             critic_results.append(train_value())
+            guard_update(critic_results[-1], step)
             value.finish_training()
         if policy_trains:
             with timer.time("policy_training"):
                 policy.prepare_for_training()
                 policy_results.append(train_policy())
+                guard_update(policy_results[-1], step)
                 policy.finish_training()
     critic_metrics = mean_over_epochs([r["metrics"] for r in critic_results])
     metrics = mean_over_epochs([policy_train_metrics(r) for r in policy_results])

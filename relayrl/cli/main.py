@@ -25,7 +25,7 @@ def _fail(message: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relayrl", description="RL post-training of language models (GRPO).")
+    p = argparse.ArgumentParser(prog="relayrl", description="RL post-training of language models (GRPO and PPO).")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train (the embedded default: the shipped model on arithmetic with GRPO)")
@@ -82,17 +82,28 @@ def _train(args: argparse.Namespace) -> int:
     else:
         run_dir = next_run_dir("runs")
     from relayrl.algorithms.setup import SetupError, run_training
+    from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.distributed.errors import WorkerDiedError
+    from relayrl.utils.signals import TrainingInterrupted, exit_code
 
+    resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
     try:
         summary = run_training(cfg, run_dir)
     except SetupError as exc:
         return _fail(str(exc))
+    except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
+        print(f"relayrl: {exc}; `relayrl train --run-dir {run_dir}` resumes", file=sys.stderr)
+        return exit_code(exc.signum)
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once
+        print(f"relayrl: interrupted; {resume}", file=sys.stderr)
+        return exit_code(2)
+    except NonFiniteError as exc:  # stopped before the bad step changed any weight
+        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        return 1
     except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # raised in an actor: + its trace
         found = [ln[ln.index("rank ") :] for ln in lines if "rank " in ln and " died" in ln]
         reason = found[-1] if found else (lines[0] if lines else type(exc).__name__)
-        resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
         print(f"relayrl: error: {reason}; {resume}", file=sys.stderr)
         return 1
     _print_summary(summary)
