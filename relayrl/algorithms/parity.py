@@ -13,14 +13,22 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TypedDict
 
 from relayrl.config import MasterConfig
+
+
+class ParityReport(TypedDict):
+    max_abs_diff: dict[str, float]  # metric -> largest |difference| over steps
+    missing: list[str]  # metrics or steps one run lacks
+    steps: list[int]
+
 
 _NOT_COMPARED = ("timing/", "performance/", "data_plane/", "refit/")
 _NOT_COMPARED_NAMES = ("per_sec", "bytes", "fraction")
 
 
-def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> dict[str, object]:
+def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> ParityReport:
     """Train `cfg` twice (legacy, data plane) under `out_dir`; return per-metric largest differences."""
     from relayrl.algorithms.setup import run_training
 
@@ -35,7 +43,7 @@ def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> di
     return compare_runs(out_dir / "legacy", out_dir / "data_plane")
 
 
-def compare_runs(legacy_dir: Path, sync_dir: Path) -> dict[str, object]:
+def compare_runs(legacy_dir: Path, sync_dir: Path) -> ParityReport:
     """{metric: largest |difference| over steps}, plus metrics or steps that one run lacks."""
     a, b = _per_step(legacy_dir), _per_step(sync_dir)
     diffs: dict[str, float] = {}

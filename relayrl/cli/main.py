@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from relayrl.utils.config_io import ConfigError, load_config
+from relayrl.config import MasterConfig
+from relayrl.utils.config_io import ConfigError, classify_resume_changes, load_config
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
 EXIT_USAGE = 2
@@ -31,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train (the embedded default: the shipped model on arithmetic with GRPO)")
     t.add_argument("--config", help="YAML config (see configs/); defaults are the embedded default run")
     t.add_argument("--run-dir", help="run directory; an existing one resumes (default: a new runs/NNN)")
+    t.add_argument(
+        "--allow-inexact-resume",
+        action="store_true",
+        help="resume a run whose config changed in a way that breaks exactness (model, data, batch shape, seed, ...)",
+    )
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_prompts_per_step=8")
 
     e = sub.add_parser("evaluate", help="validation accuracy of a checkpoint (step_N dir or HF model dir)")
@@ -70,17 +76,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     from relayrl.utils.paths import next_run_dir
 
-    try:
-        cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    recorded = run_dir / "config.yaml" if run_dir is not None else None
+    resuming = recorded is not None and recorded.is_file()
+    try:  # resuming: the run's own resolved config (unless --config names another), plus this command's overrides
+        cfg = load_config(recorded if resuming and not args.config else args.config, args.overrides)
+        base = load_config(recorded) if resuming else None
     except ConfigError as exc:
         return _fail(str(exc))
-    if args.run_dir:
-        run_dir = Path(args.run_dir)
-        resumed_config = run_dir / "config.yaml"
-        if resumed_config.is_file() and args.config is None and not args.overrides:
-            cfg = load_config(resumed_config)  # resuming: the run's own resolved config
-    else:
+    if run_dir is None:
         run_dir = next_run_dir("runs")
+    elif base is not None:
+        problem = _check_resume(base, cfg, run_dir, args.allow_inexact_resume)
+        if problem:
+            return _fail(problem)
     from relayrl.algorithms.setup import SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.distributed.errors import WorkerDiedError
@@ -108,6 +117,32 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     _print_summary(summary)
     return 0
+
+
+def _check_resume(recorded: MasterConfig, cfg: MasterConfig, run_dir: Path, allow_inexact: bool) -> str | None:
+    """Changes against the config a run was checkpointed with: safe ones are printed and applied; ones that break
+    exactness need --allow-inexact-resume; optimizer/scheduler changes are refused (the checkpoint's optimizer and
+    scheduler state would overwrite them). Returns the one-line refusal, or None."""
+    ckpt_dir = Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+    if not any(p.name.startswith("step_") for p in ckpt_dir.glob("step_*")):
+        return None  # nothing to resume from: the run starts over with the new config
+    safe, inexact, restored = classify_resume_changes(recorded, cfg)
+    if restored:
+        key, old, new = restored[0]
+        return (
+            f"{key} cannot change when resuming ({old!r} -> {new!r}): the checkpoint's optimizer and scheduler "
+            "state would overwrite it; resume without the change or start a new run directory"
+        )
+    if inexact and not allow_inexact:
+        key, old, new = inexact[0]
+        more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""
+        return (
+            f"{key} changed since {run_dir} was checkpointed ({old!r} -> {new!r}){more}: the resumed run would no "
+            "longer match an uninterrupted one; pass --allow-inexact-resume to resume anyway, or use a new run directory"
+        )
+    for key, old, new in safe + inexact:
+        print(f"relayrl: resuming with {key}: {old!r} -> {new!r}", file=sys.stderr)
+    return None
 
 
 def _print_summary(summary: dict) -> None:

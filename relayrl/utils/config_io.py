@@ -109,3 +109,70 @@ def _one_line(exc: ValidationError) -> str:
     more = len(exc.errors()) - 1
     tail = f" [+{more} more]" if more > 0 else ""
     return f"invalid config value for {loc}: {msg}{suffix}{tail}" if loc != "config" else f"invalid config: {msg}{tail}"
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+#: Keys whose change on resume keeps the resumed run exact up to the change (cadence, length, logging, deadlines).
+_RESUME_SAFE_PREFIXES = ("logger.", "checkpointing.save_period", "checkpointing.keep_top_k", "checkpointing.enabled")
+_RESUME_SAFE_EXACT = ("checkpointing.checkpoint_must_save_by", "data_plane.call_timeout_s", "data_plane.init_timeout_s")
+_RESUME_SAFE_ROLLOUT = (
+    "max_num_steps",
+    "max_num_epochs",
+    "val_period",
+    "val_start_at",
+    "val_at_start",
+    "val_at_end",
+    "stop_at_validation_metric",
+    "stop_at_validation_threshold",
+    "non_finite",
+)
+#: Keys restored from the checkpoint's optimizer and scheduler state: a change would be silently overwritten.
+_RESTORED_PREFIXES = ("policy.optimizer.", "policy.scheduler.", "value.optimizer.", "value.scheduler.")
+
+
+def config_changes(old: MasterConfig, new: MasterConfig) -> list[tuple[str, object, object]]:
+    """Every leaf that differs between two resolved configs, as (dotted key, old value, new value), in key order."""
+    a, b = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def classify_resume_changes(
+    old: MasterConfig, new: MasterConfig
+) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]], list[tuple[str, object, object]]]:
+    """(safe, inexact, restored) changes for resuming a run recorded with `old` under `new`.
+
+    safe: apply and keep the run exact up to the change; inexact: the resumed run can no longer equal an
+    uninterrupted one (model, data, batch shape, seed, algorithm, ...); restored: optimizer/scheduler settings the
+    checkpoint's state would overwrite.
+    """
+    safe, inexact, restored = [], [], []
+    block = new.algorithm
+    greedy = old.rollout.val_greedy and new.rollout.val_greedy
+    for change in config_changes(old, new):
+        key = change[0]
+        rollout_key = key.split(".", 1)[1] if key.startswith(f"{block}.") else None
+        # validation size only matters to training when sampled validation consumes the generation RNG
+        val_size = rollout_key in ("max_val_samples", "val_batch_size") and greedy
+        if key.startswith(_RESTORED_PREFIXES):
+            restored.append(change)
+        elif (
+            key.startswith(_RESUME_SAFE_PREFIXES)
+            or key in _RESUME_SAFE_EXACT
+            or rollout_key in _RESUME_SAFE_ROLLOUT
+            or val_size
+            or key.startswith("ppo." if block == "grpo" else "grpo.")  # the other algorithm's block is unused
+        ):
+            safe.append(change)
+        else:
+            inexact.append(change)
+    return safe, inexact, restored
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -169,3 +169,35 @@ def test_sigint_then_sigterm_then_exact_resume(tmp_path, tiny_model_dir):
     assert sorted(resumed) == sorted(reference)
     for step in sorted(reference):
         assert resumed[step] == reference[step], f"step {step} differs after SIGINT/SIGTERM and resume"
+
+
+def test_resume_with_overrides_keeps_the_run_config_and_refuses_inexact_changes(tmp_path, tiny_model_dir, capsys):
+    run_dir = tmp_path / "run"
+    first = [*_overrides(tiny_model_dir, 2), "grpo.seed=7", "grpo.max_val_samples=4", "grpo.val_batch_size=4"]
+    assert main(["train", "--run-dir", str(run_dir), *first]) == 0
+    capsys.readouterr()
+
+    # only the new overrides on the command line: the rest comes from run_dir/config.yaml, not the defaults
+    assert main(["train", "--run-dir", str(run_dir), "grpo.max_num_steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert "relayrl: resuming with grpo.max_num_steps: 2 -> 3" in err
+    recorded = load_config(run_dir / "config.yaml")
+    assert recorded.grpo.seed == 7 and recorded.grpo.num_prompts_per_step == 4 and recorded.grpo.max_num_steps == 3
+    assert sorted(_metrics(run_dir)) == [1, 2, 3]
+
+    for override, key in [
+        ("grpo.seed=8", "grpo.seed"),
+        ("grpo.num_prompts_per_step=8", "grpo.num_prompts_per_step"),
+        ("policy.optimizer.kwargs.lr=0.5", "policy.optimizer.kwargs.lr"),
+    ]:
+        assert main(["train", "--run-dir", str(run_dir), "grpo.max_num_steps=4", override]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"relayrl: error: {key} ") and "resum" in lines[0], lines
+    assert load_config(run_dir / "config.yaml").grpo.seed == 7  # a refused resume rewrote nothing
+
+    # an explicit flag lets an exactness-breaking change through, and it is printed
+    assert (
+        main(["train", "--run-dir", str(run_dir), "--allow-inexact-resume", "grpo.max_num_steps=4", "grpo.seed=8"]) == 0
+    )
+    assert "relayrl: resuming with grpo.seed: 7 -> 8" in capsys.readouterr().err
+    assert load_config(run_dir / "config.yaml").grpo.seed == 8
