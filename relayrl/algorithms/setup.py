@@ -24,7 +24,14 @@ from relayrl.algorithms.protocols import BatchLoader, Generation, Tokenizer
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
-from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState, load_save_state
+from relayrl.utils.checkpoint import (
+    DATALOADER_STATE,
+    RNG_STATE,
+    CheckpointManager,
+    GRPOSaveState,
+    load_save_state,
+    load_state_file,
+)
 from relayrl.utils.config_io import dump_config
 from relayrl.utils.logger import Logger
 from relayrl.utils.paths import resolve_tokenizer_path
@@ -150,6 +157,9 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
     last = checkpointer.get_latest_checkpoint_path()
     save_state = load_save_state(checkpointer.load_training_info(last) if last else None)
+    # Loader and RNG state are read (never unpickled) now, so a refused file fails the run before any model loads.
+    loader_state: Any = load_state_file(last / DATALOADER_STATE) if last else None
+    rng_state: Any = load_state_file(last / RNG_STATE) if last else None
 
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
@@ -160,7 +170,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
             weights_path=str(last / "policy" / "weights"),
             optimizer_path=str(optimizer_dir) if optimizer_dir.is_dir() else None,
         )
-        dataloader.load_state_dict(torch.load(last / "train_dataloader.pt", weights_only=False))
+        dataloader.load_state_dict(loader_state)
     value = None
     try:
         value = _build_value(cfg, tokenizer, last) if cfg.algorithm == "ppo" else None
@@ -178,9 +188,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     logger.log_hyperparams(cfg.model_dump(mode="json"))
 
     if last is not None:
-        rng = torch.load(last / "rng_state.pt", weights_only=False)
-        restore_rng_state(rng["global"])
-        policy_generation.set_rng_state(rng["generation"])
+        restore_rng_state(rng_state["global"])
+        policy_generation.set_rng_state(rng_state["generation"])
         logger.print_message(f"Resumed from {last} (step {save_state.total_steps})")
     return RunComponents(
         policy=policy,

@@ -1,25 +1,39 @@
-"""Crash-safe checkpoint directories, retention of the best ones, and the trainer's resumable counters.
+"""Crash-safe checkpoint directories, retention of the best ones, the trainer's resumable counters, and state files
+that cannot run code when they are read back.
 
 Layout under `checkpoint_dir`:
 
-    tmp_step_<N>/   being written; never read on resume, removed before re-use
-    step_<N>/       complete: appears only through an atomic rename of a fully written, fsynced tmp_step_<N>
+    .owner.lock     flock'ed by the live run that writes here (released by the kernel when that run dies)
+    tmp_step_<N>/   being written; never read on resume; stale ones are removed when the owning run starts
+    step_<N>/       appears only through an atomic rename of a fully written, fsynced tmp_step_<N>
+      manifest.json written last (after every other file is fsynced): each file's size and sha256. A step_<N>
+                    without one, or whose files do not match it, is incomplete or damaged: resume skips it
     old_step_<N>/   transient, while an existing step_<N> is being replaced (restored by the next manager)
     deleting_*/     transient, a pruned checkpoint renamed away before its files are removed
     latest_checkpoint_status.json
 
 A crash at any moment therefore leaves the previous complete `step_<M>` as the latest checkpoint.
+
+Nothing read back from a checkpoint is unpickled: JSON (training_info, manifest), YAML (config, safe_load),
+safetensors (weights, and the dataloader and RNG state through `save_state_file` / `load_state_file`); the
+optimizer file is read with `torch.load(weights_only=True)`. Anything else, a pickle from an older relayrl or a
+tampered file included, is refused with a `CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
+import sys
 import time
 import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +42,11 @@ import yaml
 
 from relayrl.config import CheckpointingConfig
 
+try:  # POSIX; elsewhere every manager counts as the owner
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^tmp_step_(\d+)$")
 _OLD_RE = re.compile(r"^old_step_(\d+)$")
@@ -35,6 +54,27 @@ _DELETING_PREFIX = "deleting_"
 TRAINING_INFO = "training_info.json"
 RUN_CONFIG = "config.yaml"
 STATUS_FILE = "latest_checkpoint_status.json"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "relayrl-checkpoint-manifest"
+MANIFEST_VERSION = 1
+OWNER_LOCK = ".owner.lock"
+DATALOADER_STATE = "train_dataloader.safetensors"
+RNG_STATE = "rng_state.safetensors"
+#: What older relayrl versions wrote with torch.save (pickles): refused, never loaded.
+LEGACY_PICKLES = ("train_dataloader.pt", "rng_state.pt")
+STATE_FORMAT = "relayrl-state"
+STATE_VERSION = "1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a file in it) that cannot be used: refused to load, or a directory another run owns.
+
+    The message is one line and names the file or directory. A ValueError, so the CLI reports it as bad input
+    (one line, exit 2) like every set-up error."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """Tensors about to be checkpointed hold NaN or infinity (see `assert_finite_state`)."""
 
 
 # ---------------------------------------------------------------------------------------------------- save state
@@ -67,13 +107,29 @@ def load_save_state(training_info: dict[str, Any] | None) -> GRPOSaveState:
 
 # ---------------------------------------------------------------------------------------------------- manager
 class CheckpointManager:
-    """Creates, finalizes, ranks and prunes `step_<N>` directories (synchronously, on the calling thread)."""
+    """Creates, finalizes, ranks and prunes `step_<N>` directories (synchronously, on the calling thread).
 
-    def __init__(self, cfg: CheckpointingConfig, checkpoint_dir: str | Path) -> None:
+    The manager owns `checkpoint_dir` for its lifetime (an exclusive flock on `.owner.lock`; other managers of
+    the same process share it): a second live run on the same directory is refused with a `CheckpointError`.
+    Only the owner recovers interrupted swaps and removes stale `tmp_step_*` directories, at start. `log` gets
+    one line per notable event (a skipped damaged checkpoint, a removed stale directory); default: stderr.
+    """
+
+    def __init__(
+        self, cfg: CheckpointingConfig, checkpoint_dir: str | Path, log: Callable[[str], None] | None = None
+    ) -> None:
         self.cfg = cfg
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.log = log or _print_stderr
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        key = _acquire_owner_lock(self.checkpoint_dir)
+        self._release = weakref.finalize(self, _release_owner_lock, key)
         self._recover_interrupted_swaps()
+        self._remove_stale_tmp()
+
+    def close(self) -> None:
+        """Give up ownership of the directory (also done when the manager is garbage-collected)."""
+        self._release()
 
     # ------------------------------------------------------------------ writing
     def init_tmp_checkpoint(
@@ -97,13 +153,13 @@ class CheckpointManager:
         return tmp
 
     def finalize_checkpoint(self, tmp_path: str | Path) -> Path:
-        """Make `tmp_step_<N>` durable and visible as `step_<N>`, record it, then apply retention."""
+        """Make `tmp_step_<N>` durable, seal it with its manifest, publish it as `step_<N>`, record it, prune."""
         tmp_path = Path(tmp_path)
         m = _TMP_RE.match(tmp_path.name)
         if m is None or not tmp_path.is_dir():
             raise ValueError(f"not a temporary checkpoint directory: {tmp_path}")
         step = int(m.group(1))
-        _fsync_tree(tmp_path)
+        write_manifest(tmp_path, step, periodic=step % self.cfg.save_period == 0, save_period=self.cfg.save_period)
         final = tmp_path.parent / f"step_{step}"
         if final.exists():
             # Re-saving a step (e.g. after resuming from it): swap so a complete step_N exists at every moment
@@ -149,9 +205,16 @@ class CheckpointManager:
             else:
                 os.replace(p, final)
 
+    def _remove_stale_tmp(self) -> None:
+        """Remove `tmp_step_*` directories a killed run left half-written (the owner alone gets here)."""
+        for p in sorted(self.checkpoint_dir.iterdir()):
+            if _TMP_RE.match(p.name) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                self.log(f"Removed {p}: a checkpoint save that never completed")
+
     # ------------------------------------------------------------------ reading
     def list_checkpoints(self) -> dict[int, Path]:
-        """Complete checkpoints by step (only exact `step_<int>` directories)."""
+        """Every `step_<int>` directory by step, complete or not (see `complete_checkpoints`)."""
         out: dict[int, Path] = {}
         if not self.checkpoint_dir.is_dir():
             return out
@@ -161,19 +224,51 @@ class CheckpointManager:
                 out[int(m.group(1))] = p
         return dict(sorted(out.items()))
 
+    def complete_checkpoints(self) -> dict[int, Path]:
+        """Checkpoints whose manifest is readable and whose files all exist with the recorded sizes (no hashing;
+        `get_latest_checkpoint_path` also checks contents)."""
+        return {s: p for s, (p, _) in self._complete().items()}
+
+    def _complete(self) -> dict[int, tuple[Path, dict[str, Any]]]:
+        out: dict[int, tuple[Path, dict[str, Any]]] = {}
+        for step, path in self.list_checkpoints().items():
+            manifest, problem = _check_manifest(path, contents=False)
+            if problem is None and manifest is not None:
+                out[step] = (path, manifest)
+        return out
+
     def get_latest_checkpoint_path(self) -> Path | None:
-        """The complete checkpoint with the highest step, or None."""
-        ckpts = self.list_checkpoints()
-        return ckpts[max(ckpts)] if ckpts else None
+        """The newest complete checkpoint (manifest present, every file matching its size and sha256), or None.
+
+        A newer incomplete or damaged one is skipped, with one line through `log` saying why. One written by an
+        older relayrl (pickled dataloader/RNG state, no manifest) is refused with a `CheckpointError`: resuming
+        from anything older instead would silently throw its training away.
+        """
+        for path in reversed(self.list_checkpoints().values()):
+            if not (path / MANIFEST).exists():
+                legacy = [path / name for name in LEGACY_PICKLES if (path / name).exists()]
+                if legacy:
+                    raise CheckpointError(
+                        f"{legacy[0]}: pickled state from an older relayrl; refusing to load it (unpickling can "
+                        f"run code); move {path} away to resume from an earlier checkpoint, or start a new run"
+                    )
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            self.log(f"Skipping checkpoint {path}: {problem}")
+        return None
 
     def get_best_checkpoint_path(self) -> Path | None:
-        """Best by `metric_name` (ties ⇒ most recent); checkpoints without the metric are skipped with a warning.
+        """Best complete checkpoint by `metric_name` (ties ⇒ most recent); checkpoints without the metric are
+        skipped with a warning.
 
-        Falls back to the latest checkpoint when no metric is configured or none carries it.
+        Falls back to the newest complete checkpoint when no metric is configured or none carries it.
         """
-        ckpts = self.list_checkpoints()
-        if not ckpts or self.cfg.metric_name is None:
-            return self.get_latest_checkpoint_path()
+        ckpts = self.complete_checkpoints()
+        if not ckpts:
+            return None
+        if self.cfg.metric_name is None:
+            return ckpts[max(ckpts)]
         scored = {s: v for s, v in self._metrics(ckpts).items() if v is not None}
         missing = sorted(set(ckpts) - set(scored))
         if missing:
@@ -182,7 +277,7 @@ class CheckpointManager:
                 stacklevel=2,
             )
         if not scored:
-            return self.get_latest_checkpoint_path()
+            return ckpts[max(ckpts)]
         best = self._rank(list(scored), scored)[0]
         return ckpts[best]
 
@@ -204,18 +299,22 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def remove_old_checkpoints(self) -> list[int]:
-        """Delete checkpoints no rule protects; return the deleted steps.
+        """Delete complete checkpoints no rule protects; return the deleted steps.
 
-        Kept: the latest step always; among "periodic" steps (`step % save_period == 0`) the `keep_top_k` best
-        by metric (missing metric ranks worst) or, with no metric, the most recent. Non-periodic checkpoints
-        (final or timeout saves) survive only while latest. `keep_top_k=None` keeps everything.
+        Kept: the newest complete checkpoint always; among "periodic" ones the `keep_top_k` best by metric
+        (missing metric ranks worst) or, with no metric, the most recent. Whether a checkpoint is periodic
+        (`step % save_period == 0`) was decided with the save_period of the run that wrote it and recorded in its
+        manifest, so resuming with another save_period re-classifies nothing. Non-periodic checkpoints (final or
+        timeout saves) survive only while newest. `keep_top_k=None` keeps everything. Incomplete or damaged
+        directories are never deleted here (nothing can rank them; a re-save of their step replaces them).
         """
         k = self.cfg.keep_top_k
-        ckpts = self.list_checkpoints()
-        if k is None or not ckpts:
+        complete = self._complete()
+        if k is None or not complete:
             return []
+        ckpts = {s: p for s, (p, _) in complete.items()}
         keep = {max(ckpts)}
-        periodic = [s for s in ckpts if s % self.cfg.save_period == 0]
+        periodic = [s for s, (_, manifest) in complete.items() if manifest.get("periodic") is True]
         if self.cfg.metric_name is None:
             keep.update(sorted(periodic, reverse=True)[:k])
         else:
@@ -231,20 +330,261 @@ class CheckpointManager:
     def _metrics(self, ckpts: dict[int, Path]) -> dict[int, float | None]:
         """Metric value per step; None when absent, unreadable, or not a finite number."""
         out: dict[int, float | None] = {}
+        name = self.cfg.metric_name
         for step, path in ckpts.items():
             try:
-                value = self.load_training_info(path).get(self.cfg.metric_name)
+                value = self.load_training_info(path).get(name) if name is not None else None
             except (OSError, ValueError):
                 value = None
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            out[step] = float(value) if ok else None
+            finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            out[step] = float(value) if finite and value is not None else None
         return out
 
-    def _rank(self, steps: list[int], metrics: dict[int, float | None]) -> list[int]:
+    def _rank(self, steps: list[int], metrics: Mapping[int, float | None]) -> list[int]:
         """Steps best-first; ties go to the more recent step, missing metrics last."""
         if self.cfg.higher_is_better:
             return sorted(steps, key=lambda s: (_or(metrics.get(s), -math.inf), s), reverse=True)
         return sorted(steps, key=lambda s: (_or(metrics.get(s), math.inf), -s))
+
+
+# ---------------------------------------------------------------------------------------------------- manifest
+def verify_checkpoint(path: str | Path, *, contents: bool = True) -> str | None:
+    """None if `path` is a complete checkpoint, else why not (one line): no/unreadable manifest.json, a listed
+    file missing, of another size, or (with `contents`) whose sha256 differs."""
+    return _check_manifest(Path(path), contents=contents)[1]
+
+
+def write_manifest(root: Path, step: int, *, periodic: bool, save_period: int) -> None:
+    """fsync every file under `root` while hashing it, then write and fsync manifest.json, then the directories."""
+    files: dict[str, dict[str, Any]] = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            file = Path(dirpath) / name
+            rel = file.relative_to(root).as_posix()
+            if rel == MANIFEST:
+                continue
+            with open(file, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                os.fsync(f.fileno())
+                size = os.fstat(f.fileno()).st_size
+            files[rel] = {"size": size, "sha256": digest}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "step": step,
+        "periodic": periodic,
+        "save_period": save_period,
+        "written_at": time.time(),
+        "files": dict(sorted(files.items())),
+    }
+    with open(root / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for dirpath, _, _ in os.walk(root):
+        _fsync_dir(Path(dirpath))
+
+
+def _check_manifest(path: Path, *, contents: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) when `path` matches its manifest, else (None, the first problem found)."""
+    file = path / MANIFEST
+    if not file.is_file():
+        return None, f"no {MANIFEST} (incomplete, or not written by this relayrl)"
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"{MANIFEST} unreadable ({type(exc).__name__}: {exc})"
+    entries = manifest.get("files") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or manifest.get("version") != MANIFEST_VERSION
+        or not isinstance(entries, dict)
+    ):
+        return None, f"{MANIFEST} is not a relayrl checkpoint manifest (version {MANIFEST_VERSION})"
+    root = path.resolve()
+    for rel, entry in entries.items():
+        target = (path / rel).resolve()
+        if not isinstance(entry, dict) or root not in target.parents or rel == MANIFEST:
+            return None, f"{MANIFEST} has an invalid entry {rel!r}"
+        try:
+            size = target.stat().st_size
+        except OSError:
+            return None, f"{rel} is missing"
+        if size != entry.get("size"):
+            return None, f"{rel} is {size} bytes, {MANIFEST} says {entry.get('size')} (truncated or damaged)"
+        if contents:
+            try:
+                with open(target, "rb") as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as exc:
+                return None, f"{rel} unreadable ({exc})"
+            if digest != entry.get("sha256"):
+                return None, f"{rel} does not match its sha256 in {MANIFEST} (damaged or modified)"
+    return manifest, None
+
+
+# ---------------------------------------------------------------------------------------------------- state files
+def save_state_file(path: str | Path, state: Any) -> None:
+    """Write `state` (nested dicts, lists, tuples, str/int/float/bool/None, torch tensors, numpy arrays and
+    scalars) to a safetensors file: the tensors as tensors, the structure as JSON in its metadata.
+
+    `load_state_file` gives it back exactly (types, dtypes, shapes, bits). Anything else raises TypeError here,
+    so a state that could not be restored is never written."""
+    import safetensors.torch
+
+    tensors: dict[str, Any] = {}
+    tree = _encode(state, tensors, "state")
+    metadata = {"format": STATE_FORMAT, "version": STATE_VERSION, "tree": json.dumps(tree, allow_nan=False)}
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+
+
+def load_state_file(path: str | Path) -> Any:
+    """Read what `save_state_file` wrote. Nothing in the file can run code: a pickle (e.g. an older relayrl's
+    torch.save file) or anything else that is not such a state file raises `CheckpointError` naming the file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read checkpoint state ({exc.strerror or exc})") from exc
+    if head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip container, or a raw pickle
+        raise CheckpointError(
+            f"{path}: a pickle, not a relayrl state file; refusing to load it (unpickling can run code)"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != STATE_FORMAT or meta.get("version") != STATE_VERSION:
+                raise ValueError(f"no {STATE_FORMAT} v{STATE_VERSION} header")
+            return _decode(json.loads(meta["tree"]), f.get_tensor)
+    except Exception as exc:  # safetensors' own error type, bad JSON, a malformed tree: all mean "refuse"
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: not a valid relayrl state file ({reason}); refusing to load it") from exc
+
+
+_TAGS = ("__tuple__", "__dict__", "__tensor__", "__ndarray__", "__npscalar__", "__float__")
+
+
+def _encode(value: Any, tensors: dict[str, Any], where: str) -> Any:
+    import numpy as np
+    import torch
+
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, list):
+        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and k not in _TAGS for k in value):
+            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
+        return {
+            "__dict__": [
+                [_encode(k, tensors, f"{where} key"), _encode(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()
+            ]
+        }
+    if isinstance(value, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = value.detach().to("cpu").contiguous().clone()
+        return {"__tensor__": name}
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return {"__ndarray__": [value.dtype.str, list(value.shape), _encode(value.tolist(), tensors, where)]}
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return {"__npscalar__": [value.dtype.str, _encode(value.item(), tensors, where)]}
+    raise TypeError(f"cannot store {type(value).__qualname__} at {where} in a checkpoint state file")
+
+
+def _decode(value: Any, get_tensor: Callable[[str], Any]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, get_tensor) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        ((tag, body),) = value.items()
+        if tag == "__tuple__":
+            return tuple(_decode(v, get_tensor) for v in body)
+        if tag == "__dict__":
+            return {_decode(k, get_tensor): _decode(v, get_tensor) for k, v in body}
+        if tag == "__tensor__":
+            return get_tensor(body)
+        if tag == "__float__":
+            return float(body)
+        if tag in ("__ndarray__", "__npscalar__"):
+            import numpy as np
+
+            if tag == "__npscalar__":
+                return np.dtype(body[0]).type(_decode(body[1], get_tensor))
+            dtype, shape, data = body
+            return np.array(_decode(data, get_tensor), dtype=np.dtype(dtype)).reshape(shape)
+    return {k: _decode(v, get_tensor) for k, v in value.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- finite hook
+def assert_finite_state(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], what: str) -> None:
+    """Raise `NonFiniteStateError` if a floating-point tensor among `tensors` (a state_dict, or (name, tensor)
+    pairs) holds NaN or ±inf; `what` names the owner in the message ("policy weights", "value weights").
+
+    The hook for the save path: call it before a checkpoint is finalized so none ever holds non-finite weights.
+    Costs one `isfinite` pass over each tensor; integer and bool tensors are skipped."""
+    import torch
+
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    bad: list[str] = []
+    total = 0
+    for name, t in items:
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            total += 1
+            if not bool(torch.isfinite(t).all()):
+                bad.append(name)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise NonFiniteStateError(
+            f"{what}: NaN or infinity in {len(bad)} of {total} tensors ({shown}); not checkpointed"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- ownership
+_OWNED: dict[str, list[int]] = {}  # realpath of a checkpoint dir -> [lock fd, managers of this process using it]
+
+
+def _acquire_owner_lock(directory: Path) -> str:
+    """Exclusive flock on `directory/.owner.lock`, shared by this process's managers; CheckpointError if another
+    live process holds it. The kernel drops the lock when its process dies, however it dies."""
+    key = os.path.realpath(directory)
+    held = _OWNED.get(key)
+    if held is not None:
+        held[1] += 1
+        return key
+    fd = os.open(directory / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"{directory} is in use by another live run ({holder}); two runs cannot share a checkpoint directory"
+            ) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _OWNED[key] = [fd, 1]
+    return key
+
+
+def _release_owner_lock(key: str) -> None:
+    held = _OWNED.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del _OWNED[key]
+        os.close(held[0])  # closing the last descriptor releases the flock
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -261,6 +601,10 @@ def to_plain(value: Any) -> Any:
     return value
 
 
+def _print_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
 
@@ -272,15 +616,6 @@ def _delete_dir(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under `root` to disk before it is published by rename."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,7 +1,7 @@
 """Seeding and RNG-state capture, so a resumed run draws exactly the random numbers the original would have.
 
-`capture_rng_state` returns only plain Python values and tensors, so the dict survives
-`torch.save` / `torch.load(weights_only=True)` inside a checkpoint without allow-listing numpy types.
+`capture_rng_state` returns only plain Python values and tensors, so a checkpoint stores it exactly with
+`relayrl.utils.checkpoint.save_state_file` (safetensors + JSON; nothing is pickled).
 """
 
 from __future__ import annotations

@@ -1,7 +1,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +19,21 @@ import torch
 import yaml
 
 from relayrl.config import CheckpointingConfig, MasterConfig
-from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState, load_save_state
+from relayrl.utils.checkpoint import (
+    DATALOADER_STATE,
+    MANIFEST,
+    RNG_STATE,
+    CheckpointError,
+    CheckpointManager,
+    GRPOSaveState,
+    NonFiniteStateError,
+    assert_finite_state,
+    load_save_state,
+    load_state_file,
+    save_state_file,
+    verify_checkpoint,
+)
+from relayrl.utils.seeding import capture_rng_state, restore_rng_state
 
 
 def _manager(tmp_path: Path, **cfg: Any) -> CheckpointManager:
@@ -27,6 +49,11 @@ def _save(mgr: CheckpointManager, step: int, info: dict[str, Any] | None = None)
 
 def _steps(mgr: CheckpointManager) -> list[int]:
     return list(mgr.list_checkpoints())
+
+
+def _listing(root: Path) -> list[str]:
+    """Names in a checkpoint directory, without the owner lock file."""
+    return sorted(p.name for p in root.iterdir() if p.name != ".owner.lock")
 
 
 # ---------------------------------------------------------------------------------------------------- item 66
@@ -92,7 +119,7 @@ def test_crash_before_finalize_keeps_previous_latest(tmp_path: Path) -> None:
     second = _save(restarted, 2, {"total_steps": 2})  # a later save of the same step works
     assert restarted.get_latest_checkpoint_path() == second
     assert not (tmp_path / "ckpts" / "tmp_step_2").exists()
-    assert sorted(p.name for p in second.iterdir()) == ["policy", "training_info.json"]
+    assert sorted(p.name for p in second.iterdir()) == ["manifest.json", "policy", "training_info.json"]
 
 
 def test_resave_same_step_swaps_atomically(tmp_path: Path) -> None:
@@ -100,7 +127,7 @@ def test_resave_same_step_swaps_atomically(tmp_path: Path) -> None:
     _save(mgr, 4, {"v": "old"})
     path = _save(mgr, 4, {"v": "new"})
     assert mgr.load_training_info(path) == {"v": "new"}
-    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["latest_checkpoint_status.json", "step_4"]
+    assert _listing(tmp_path / "ckpts") == ["latest_checkpoint_status.json", "step_4"]
 
 
 def test_crash_mid_swap_is_recovered(tmp_path: Path) -> None:
@@ -121,7 +148,7 @@ def test_interrupted_prune_is_finished_on_restart(tmp_path: Path) -> None:
     mgr = _manager(tmp_path, keep_top_k=1, metric_name=None, save_period=1)
     _save(mgr, 1)
     _save(mgr, 2)
-    assert sorted(p.name for p in root.iterdir()) == ["latest_checkpoint_status.json", "step_2"]
+    assert _listing(root) == ["latest_checkpoint_status.json", "step_2"]
     (root / "deleting_step_1" / "policy").mkdir(parents=True)  # as if a crash hit mid-delete
     _manager(tmp_path)
     assert not (root / "deleting_step_1").exists() and (root / "step_2").is_dir()
@@ -296,3 +323,288 @@ def test_prune_failure_only_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.warns(UserWarning, match="could not remove old checkpoint"):
         path = _save(mgr, 2)
     assert mgr.get_latest_checkpoint_path() == path and _steps(mgr) == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------------- issue 14
+# Nothing executable is read back; a manifest marks a complete checkpoint; retention and stale temporaries.
+
+
+class _RunsCode:
+    """Unpickling this runs a shell command that creates `marker`: what a crafted checkpoint file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _logged(tmp_path: Path, **cfg: Any) -> tuple[CheckpointManager, list[str]]:
+    lines: list[str] = []
+    return CheckpointManager(CheckpointingConfig(**cfg), tmp_path / "ckpts", log=lines.append), lines
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with the same types all the way down (tensors: dtype, shape and bits)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(k, k2) and _same(a[k], b[k2]) for k, k2 in zip(a, b, strict=True))
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
+
+
+def test_state_file_round_trips_exactly(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(7)
+    torch.rand(5, generator=gen)
+    state = {
+        "_sampler_iter_state": {
+            "samples_yielded": 32,
+            "sampler_iter_state": {"yielded": 32, "generator": gen.get_state()},
+        },
+        "_index_sampler_state": None,
+        "_iterator_finished": False,
+        "ratio": 0.1 + 0.2,
+        "weird_floats": [float("nan"), float("inf"), -float("inf"), -0.0, 5e-324],
+        "big": 2**100,
+        "tuple": (1, ("a", None), [2.5]),
+        3: "int key",
+        ("k", 1): "tuple key",
+        "__tuple__": "a key that looks like a tag",
+        "nested_tag": {"__tensor__": "t0"},
+        "bf16": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3, dtype=torch.int64),
+        "scalar": torch.tensor(3.0),
+        "arr": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "np_scalar": np.float32(0.1),
+        "np_int": np.int64(-3),
+    }
+    save_state_file(tmp_path / "s.safetensors", state)
+    assert _same(load_state_file(tmp_path / "s.safetensors"), state)
+
+
+def test_rng_state_through_a_state_file_resumes_every_generator(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gauss_next: part of the state
+    np.random.normal()
+    gen = torch.Generator().manual_seed(4)
+    save_state_file(tmp_path / RNG_STATE, {"global": capture_rng_state(), "generation": gen.get_state()})
+    expected = ([random.random(), random.gauss(0, 1)], np.random.rand(3).tolist(), torch.rand(3).tolist())
+    expected_gen = torch.rand(3, generator=gen).tolist()
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    loaded = load_state_file(tmp_path / RNG_STATE)
+    restore_rng_state(loaded["global"])
+    gen2 = torch.Generator()
+    gen2.set_state(loaded["generation"])
+    assert ([random.random(), random.gauss(0, 1)], np.random.rand(3).tolist(), torch.rand(3).tolist()) == expected
+    assert torch.rand(3, generator=gen2).tolist() == expected_gen
+
+
+def test_state_file_refuses_what_it_cannot_restore(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"state\['gen'\]"):
+        save_state_file(tmp_path / "x.safetensors", {"gen": torch.Generator()})
+    with pytest.raises(TypeError, match="object"):
+        save_state_file(tmp_path / "x.safetensors", {"a": object()})
+
+
+@pytest.mark.parametrize("writer", ["pickle", "torch_save"])
+def test_crafted_pickle_state_file_is_refused_without_running_it(tmp_path: Path, writer: str) -> None:
+    marker = tmp_path / "marker"
+    path = tmp_path / DATALOADER_STATE
+    if writer == "pickle":
+        path.write_bytes(pickle.dumps(_RunsCode(marker)))
+    else:
+        torch.save({"state": _RunsCode(marker)}, path)
+    with pytest.raises(CheckpointError) as err:
+        load_state_file(path)
+    message = str(err.value)
+    assert str(path) in message and "\n" not in message and "refusing" in message
+    assert not marker.exists()
+
+
+def test_state_file_refuses_other_files(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    foreign = tmp_path / "foreign.safetensors"
+    safetensors.torch.save_file({"x": torch.ones(2)}, str(foreign))  # valid safetensors, not a state file
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}xxxxxx")
+    bad_tree = tmp_path / "bad_tree.safetensors"
+    safetensors.torch.save_file({}, str(bad_tree), metadata={"format": "relayrl-state", "version": "1", "tree": "{"})
+    for path in (foreign, garbage, bad_tree, tmp_path / "missing.safetensors"):
+        with pytest.raises(CheckpointError, match=re.escape(str(path))):
+            load_state_file(path)
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path) -> None:
+    import hashlib
+
+    mgr = _manager(tmp_path, save_period=2)
+    path = _save(mgr, 4, {"total_steps": 4})
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["format"] == "relayrl-checkpoint-manifest" and manifest["version"] == 1
+    assert manifest["step"] == 4 and manifest["periodic"] is True and manifest["save_period"] == 2
+    assert sorted(manifest["files"]) == ["policy/weights/model.bin", "training_info.json"]
+    for rel, entry in manifest["files"].items():
+        data = (path / rel).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert verify_checkpoint(path) is None
+    assert json.loads((_save(mgr, 5) / MANIFEST).read_text())["periodic"] is False
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no_manifest", "modified", "file_missing", "bad_manifest"])
+def test_damaged_newest_checkpoint_is_skipped_with_a_message(tmp_path: Path, damage: str) -> None:
+    mgr, lines = _logged(tmp_path, keep_top_k=None)
+    previous = _save(mgr, 2)
+    newest = _save(mgr, 3)
+    weights = newest / "policy" / "weights" / "model.bin"
+    if damage == "truncated":
+        weights.write_bytes(b"w" * 5)
+    elif damage == "no_manifest":
+        (newest / MANIFEST).unlink()
+    elif damage == "modified":
+        weights.write_bytes(b"x" * 16)  # same size: only the hash tells
+    elif damage == "file_missing":
+        weights.unlink()
+    else:
+        (newest / MANIFEST).write_text('{"format": "relayrl-checkpoint-manifest", "version": 1, "files": {"../x": {}}}')
+    restarted, lines = _logged(tmp_path, keep_top_k=None)
+    assert restarted.get_latest_checkpoint_path() == previous
+    assert len(lines) == 1 and str(newest) in lines[0] and "Skipping" in lines[0]
+    expected = {
+        "truncated": "model.bin is 5 bytes",
+        "no_manifest": "no manifest.json",
+        "modified": "sha256",
+        "file_missing": "model.bin is missing",
+        "bad_manifest": "invalid entry",
+    }[damage]
+    assert expected in lines[0]
+    if damage == "modified":  # sizes match, so the cheap check used for retention still counts it complete
+        assert 3 in restarted.complete_checkpoints()
+    else:
+        assert list(restarted.complete_checkpoints()) == [2]
+
+
+def test_no_complete_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
+    mgr, lines = _logged(tmp_path)
+    (tmp_path / "ckpts" / "step_5").mkdir()  # e.g. a partial copy of a run directory
+    assert mgr.get_latest_checkpoint_path() is None
+    assert mgr.get_best_checkpoint_path() is None
+    assert "step_5" in lines[0] and "no manifest.json" in lines[0]
+
+
+@pytest.mark.parametrize("legacy_file", ["train_dataloader.pt", "rng_state.pt"])
+def test_old_pickle_checkpoint_is_refused_naming_the_file(tmp_path: Path, legacy_file: str) -> None:
+    marker = tmp_path / "marker"
+    mgr = _manager(tmp_path)
+    _save(mgr, 2)
+    old = tmp_path / "ckpts" / "step_4"
+    (old / "policy").mkdir(parents=True)
+    (old / "training_info.json").write_text('{"total_steps": 4}')
+    (old / legacy_file).write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(CheckpointError) as err:
+        mgr.get_latest_checkpoint_path()
+    message = str(err.value)
+    assert message.startswith(str(old / legacy_file)) and "\n" not in message and "older relayrl" in message
+    assert not marker.exists()
+
+
+def test_pruning_keeps_best_k_and_newest_complete_after_save_period_changes(tmp_path: Path) -> None:
+    cfg = dict(metric_name="val:accuracy", higher_is_better=True, keep_top_k=2)
+    first = _manager(tmp_path, save_period=2, **cfg)
+    for step, acc in {2: 0.9, 4: 0.8, 6: 0.1, 7: 0.95}.items():  # 7: a final save, not periodic
+        _save(first, step, {"val:accuracy": acc})
+    assert _steps(first) == [2, 4, 7]
+    first.close()
+    # Resumed with another save_period: 2 and 4 stay periodic (as recorded when written), so they stay best-2.
+    resumed = _manager(tmp_path, save_period=5, **cfg)
+    _save(resumed, 10, {"val:accuracy": 0.3})
+    assert _steps(resumed) == [2, 4, 10]
+    _save(resumed, 15, {"val:accuracy": 0.85})
+    assert _steps(resumed) == [2, 15]  # best-2 periodic: 0.9 (2) and 0.85 (15), which is also the newest
+    # A damaged newer directory never shields nor costs the newest complete checkpoint.
+    _save(resumed, 20, {"val:accuracy": 0.0})
+    (tmp_path / "ckpts" / "step_20" / "policy" / "weights" / "model.bin").write_bytes(b"")
+    _save(resumed, 17, {"val:accuracy": 0.2})  # not periodic: survives only as the newest complete one
+    assert _steps(resumed) == [2, 15, 17, 20]
+    assert resumed.get_latest_checkpoint_path() == tmp_path / "ckpts" / "step_17"
+
+
+def test_stale_tmp_dirs_are_removed_at_start_by_the_owner(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    mgr = _manager(tmp_path)
+    _save(mgr, 1)
+    stale = mgr.init_tmp_checkpoint(2, {})
+    (stale / "half_written").write_bytes(b"...")
+    mgr.close()
+    restarted, lines = _logged(tmp_path)
+    assert not stale.exists() and (root / "step_1").is_dir()
+    assert lines == [f"Removed {stale}: a checkpoint save that never completed"]
+
+
+def test_a_live_run_owns_its_checkpoint_dir(tmp_path: Path) -> None:
+    """Another process's manager holds the directory: this one is refused and deletes nothing; once that process
+    is SIGKILLed (its lock goes with it), the next manager owns the directory and removes the stale temporary."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    stale = root / "tmp_step_3"
+    code = (
+        "import sys, time; from relayrl.config import CheckpointingConfig; "
+        "from relayrl.utils.checkpoint import CheckpointManager; "
+        "m = CheckpointManager(CheckpointingConfig(), sys.argv[1]); m.init_tmp_checkpoint(3, {}); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        with pytest.raises(CheckpointError, match=f"in use by another live run .*pid {proc.pid}"):
+            CheckpointManager(CheckpointingConfig(), root)
+        assert stale.is_dir()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while True:  # the kernel drops the lock with the process
+        try:
+            mgr, lines = _logged(tmp_path)
+            break
+        except CheckpointError:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    assert not stale.exists() and len(lines) == 1
+
+
+def test_managers_of_one_process_share_ownership(tmp_path: Path) -> None:
+    a = _manager(tmp_path)
+    b = _manager(tmp_path)
+    _save(a, 1)
+    _save(b, 2)
+    a.close()
+    b.close()
+    c = _manager(tmp_path)
+    assert c.get_latest_checkpoint_path() == tmp_path / "ckpts" / "step_2"
+
+
+def test_assert_finite_state_hook() -> None:
+    ok = {"w": torch.ones(3), "ids": torch.tensor([1, 2]), "mask": torch.tensor([True])}
+    assert_finite_state(ok, "policy weights")
+    assert_finite_state(list(ok.items()), "policy weights")
+    bad = {"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")]), "c": torch.tensor([float("-inf")])}
+    with pytest.raises(NonFiniteStateError, match=r"policy weights: NaN or infinity in 2 of 3 tensors \(b, c\)"):
+        assert_finite_state(bad, "policy weights")
+    assert issubclass(NonFiniteStateError, CheckpointError)
