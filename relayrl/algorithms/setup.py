@@ -7,6 +7,7 @@ alone) and in which policy/critic classes carry the tensors (driver-side, or att
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,11 +63,21 @@ class RunComponents:
     value_loss_fn: LossFunction | None = None
 
 
+#: Files of which a Hugging Face tokenizer directory holds at least one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(cfg: MasterConfig) -> Tokenizer:
     """Tokenizer of `policy.tokenizer.name` (default: the model's); pad falls back to eos, as users expect."""
     from transformers import AutoTokenizer
 
     path = resolve_tokenizer_path(cfg.policy.tokenizer.name or cfg.policy.model_name)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        key = "policy.tokenizer.name" if cfg.policy.tokenizer.name else "policy.model_name"
+        raise ValueError(
+            f"{key} {path} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, ...); "
+            "set policy.tokenizer.name to a directory that has them"
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -163,7 +174,12 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
 
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
-    policy = _build_policy(cfg, tokenizer)
+    try:
+        policy = _build_policy(cfg, tokenizer)
+    except Exception as exc:
+        if (err := _weights_error("policy.model_name", cfg.policy.model_name, exc)) is exc:
+            raise
+        raise err from exc
     if last is not None:
         optimizer_dir = last / "policy" / "optimizer"
         policy.load_checkpoint(
@@ -207,6 +223,16 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
         value=value,
         value_loss_fn=MseValueLossFn(cfg.value_loss_fn.scale, cfg.value_loss_fn.value_clip) if value else None,
     )
+
+
+def _weights_error(key: str, source: str, exc: Exception) -> Exception:
+    """A model directory whose weights cannot be read (truncated, corrupt, wrong shapes) is the user's input: one
+    line naming the key; any other failure while building the model keeps its own type and traceback."""
+    unreadable = type(exc).__name__ in ("SafetensorError", "HeaderTooLarge") or isinstance(exc, (OSError, EOFError))
+    if not unreadable and "size mismatch" not in str(exc):
+        return exc
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ValueError(f"{key} {source}: its weights could not be loaded ({first})")
 
 
 def _build_policy(cfg: MasterConfig, tokenizer: Tokenizer) -> Any:
@@ -285,8 +311,8 @@ def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, object]:
     try:
         c = setup(cfg, run_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
-        if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # a set-up that failed leaves no empty run directory behind
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a set-up that failed leaves no run directory behind
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
         raise SetupError(message) from exc
     try:
