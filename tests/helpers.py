@@ -1,8 +1,13 @@
-"""Helpers shared by the tests (`from tests.helpers import ...`): float32 tolerances derived from rounding error."""
+"""Helpers shared by the tests (`from tests.helpers import ...`): float32 tolerances derived from rounding error,
+training batches."""
 
 from __future__ import annotations
 
 import math
+
+import torch
+
+from relayrl.distributed.batched_data_dict import BatchedDataDict
 
 #: float32 machine epsilon (2**-23; twice the unit roundoff u = 2**-24).
 EPS_F32 = 2.0**-23
@@ -48,3 +53,52 @@ def adamw_weight_tol(
     """
     per_step = lr * (1 + adam_rho(steps, betas)) * grad_tol / eps + EPS_F32 * weight_scale
     return steps * per_step
+
+
+def grad_norm_tol(grad_norm: float, n_params: int, n_tokens: int) -> float:
+    """The gradient norm sums the squares of `n_params` coordinates, each a mean over `n_tokens` tokens: a relative
+    error of the coordinates (f32_tol over the tokens) moves it by the same relative amount, the sum of squares by
+    f32_tol over the parameters."""
+    return f32_tol(grad_norm, n_params) + f32_tol(grad_norm, n_tokens)
+
+
+def trained_weight_tol(
+    weights: dict[str, torch.Tensor],
+    *,
+    grad_tol: float,
+    lr: float,
+    steps: int,
+    eps: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> float:
+    """`adamw_weight_tol` with the largest |w| of `weights` as the weight scale."""
+    scale = max(float(w.abs().max()) for w in weights.values())
+    return adamw_weight_tol(grad_tol, lr=lr, steps=steps, eps=eps, weight_scale=scale, betas=betas)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def ragged_batch(
+    vocab: int, seed: int, lengths: torch.Tensor, sample_mask: torch.Tensor, *, seq_len: int, returns: bool = False
+) -> BatchedDataDict:
+    """A right-padded policy-training batch of random tokens: the first 3 positions are a "prompt" the loss ignores,
+    one advantage per row (and per-token `returns` for a critic when asked), drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(lengths)
+    ids = torch.randint(2, vocab, (rows, seq_len), generator=g)  # [B, S]
+    real = torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, S]
+    token_mask = real.float()
+    token_mask[:, :3] = 0.0
+    batch = BatchedDataDict(
+        input_ids=ids.masked_fill(~real, 0),
+        input_lengths=lengths.clone(),
+        token_mask=token_mask,
+        sample_mask=sample_mask.clone(),
+        advantages=torch.randn(rows, 1, generator=g).expand(rows, seq_len).clone(),  # [B, S]
+    )
+    if returns:
+        batch["returns"] = torch.randn(rows, seq_len, generator=g)
+    return batch

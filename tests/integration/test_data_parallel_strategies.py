@@ -25,7 +25,7 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import PolicyWorker
 from relayrl.models.value.lm_value import Value
-from tests.helpers import adamw_weight_tol, f32_tol
+from tests.helpers import f32_tol, grad_norm_tol, max_abs_diff, ragged_batch, trained_weight_tol
 
 ray = pytest.importorskip("ray")
 
@@ -49,19 +49,7 @@ RAY_CLUSTER = dict(executor="ray", workers_per_node=2, torch_num_threads=1, devi
 
 
 def make_batch(vocab: int, seed: int) -> BatchedDataDict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, vocab, (B, S), generator=g)  # [B, S]
-    real = torch.arange(S)[None, :] < LENGTHS[:, None]  # [B, S]
-    token_mask = real.float()
-    token_mask[:, :3] = 0.0  # a "prompt" the loss ignores
-    return BatchedDataDict(
-        input_ids=ids.masked_fill(~real, 0),
-        input_lengths=LENGTHS.clone(),
-        token_mask=token_mask,
-        sample_mask=SAMPLE_MASK.clone(),
-        advantages=torch.randn(B, 1, generator=g).expand(B, S).clone(),  # [B, S]
-        returns=torch.randn(B, S, generator=g),
-    )
+    return ragged_batch(vocab, seed, LENGTHS, SAMPLE_MASK, seq_len=S, returns=True)
 
 
 def policy_config(model_dir: Path, strategy: str) -> PolicyConfig:
@@ -145,21 +133,12 @@ def one_worker(tiny_model_dir: Path, char_tokenizer, tmp_path_factory: pytest.Te
         policy.shutdown()
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def weight_tol(lr: float, steps: int, weights: dict[str, torch.Tensor]) -> float:
-    scale = max(float(w.abs().max()) for w in weights.values())
-    return adamw_weight_tol(GRAD_TOL, lr=lr, steps=steps, eps=ADAM_EPS, weight_scale=scale, betas=BETAS)
+    return trained_weight_tol(weights, grad_tol=GRAD_TOL, lr=lr, steps=steps, eps=ADAM_EPS, betas=BETAS)
 
 
-def grad_norm_tol(grad_norm: float, weights: dict[str, torch.Tensor]) -> float:
-    """The norm sums the squares of every coordinate (n = the parameter count); a relative error of the coordinates
-    themselves (f32_tol over the tokens) moves it by the same relative amount."""
-    params = sum(w.numel() for w in weights.values())
-    return f32_tol(grad_norm, params) + f32_tol(grad_norm, N_TOKENS)
+def norm_tol(grad_norm: float, weights: dict[str, torch.Tensor]) -> float:
+    return grad_norm_tol(grad_norm, sum(w.numel() for w in weights.values()), N_TOKENS)
 
 
 @pytest.mark.parametrize("strategy", ["manual", "ddp", "fsdp2"])
@@ -190,9 +169,7 @@ def test_two_ray_workers_match_one_worker(
         assert r2["loss"].shape == (2,)  # one global-batch loss per optimizer step
         assert torch.allclose(r1["loss"], r2["loss"], atol=loss_tol, rtol=0)
         assert float(r1["grad_norm"]) > MAX_GRAD_NORM  # clipping was active
-        assert abs(float(r1["grad_norm"]) - float(r2["grad_norm"])) <= grad_norm_tol(
-            float(r1["grad_norm"]), ref_weights
-        )
+        assert abs(float(r1["grad_norm"]) - float(r2["grad_norm"])) <= norm_tol(float(r1["grad_norm"]), ref_weights)
         assert r1["num_valid_tokens"] == r2["num_valid_tokens"]
         # dummies are not recorded (DDP/FSDP2 also skip row 7, valid but without a loss token, whose loss is 0);
         # both ranks' partial sums add up to the mean global-batch loss
@@ -202,10 +179,10 @@ def test_two_ray_workers_match_one_worker(
     assert out["version"] == ref["version"] == 6  # the resumed checkpoint's 4, plus the last call's 2 steps
     rank0, rank1 = out["per_rank"]
     assert list(rank0) == list(ref_weights)  # HF names in HF order: no `module.` / wrapper prefixes
-    assert max_diff(ref_weights, rank0) <= weight_tol(lr, 4, ref_weights)
-    assert max_diff(rank0, rank1) == 0.0  # every rank holds the same full weights after the step
+    assert max_abs_diff(ref_weights, rank0) <= weight_tol(lr, 4, ref_weights)
+    assert max_abs_diff(rank0, rank1) == 0.0  # every rank holds the same full weights after the step
     assert out["refit_info"] == ref["refit_info"]
-    assert max_diff(ref["checkpoint"], out["checkpoint"]) <= weight_tol(lr, 4, ref_weights)
+    assert max_abs_diff(ref["checkpoint"], out["checkpoint"]) <= weight_tol(lr, 4, ref_weights)
     # a log-prob is a logit minus the log-sum-exp of the vocabulary's logits: n = vocabulary size
     lp_tol = f32_tol(float(ref["logprobs"].abs().max()), len(char_tokenizer))
     assert (out["logprobs"] - ref["logprobs"]).abs().max() <= lp_tol
@@ -224,8 +201,8 @@ def test_two_ray_workers_match_one_worker(
             assert torch.allclose(out["moments"][idx][key], state[key], atol=moment_tol[key], rtol=0)
         assert float(out["moments"][idx]["step"]) == float(state["step"]) == 4
     # ... and resuming from it (weights + moments + scheduler) takes the same next steps on every rank.
-    assert max_diff(ref["resumed"][0], out["resumed"][0]) <= weight_tol(lr, 6, ref_weights)
-    assert max_diff(out["resumed"][0], out["resumed"][1]) == 0.0
+    assert max_abs_diff(ref["resumed"][0], out["resumed"][0]) <= weight_tol(lr, 6, ref_weights)
+    assert max_abs_diff(out["resumed"][0], out["resumed"][1]) == 0.0
 
 
 def value_config(model_dir: Path, strategy: str) -> ValueConfig:
@@ -266,6 +243,6 @@ def test_critic_on_two_ray_workers_matches_one_worker(
     for r1, r2 in zip(ref["results"], out["results"]):
         # the MSE loss is a mean of non-negative terms: sum|terms| / n is the loss itself
         assert torch.allclose(r1["loss"], r2["loss"], atol=f32_tol(float(r1["loss"].max()), N_TOKENS), rtol=0)
-        assert abs(float(r1["grad_norm"]) - float(r2["grad_norm"])) <= grad_norm_tol(float(r1["grad_norm"]), weights)
+        assert abs(float(r1["grad_norm"]) - float(r2["grad_norm"])) <= norm_tol(float(r1["grad_norm"]), weights)
     assert list(out["weights"]) == list(weights)
-    assert max_diff(weights, out["weights"]) <= weight_tol(float(ref["results"][0]["lr"]), 4, weights)
+    assert max_abs_diff(weights, out["weights"]) <= weight_tol(float(ref["results"][0]["lr"]), 4, weights)
