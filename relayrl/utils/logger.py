@@ -56,6 +56,11 @@ def as_scalar(value: Any) -> float | None:
     return None
 
 
+#: JSONL files kept open between writes; the least recently written one is closed past this (a long run writes a
+#: new val_data_step<N>.jsonl at every validation and would otherwise run out of file handles).
+_MAX_OPEN_JSONL = 4
+
+
 class Logger:
     """Fans every metric out to the enabled backends. Use as a context manager or call `close()`.
 
@@ -168,10 +173,14 @@ class Logger:
     def log_jsonl(self, rows: list[dict[str, Any]], filename: str) -> Path:
         """Append one JSON line per row to `<run_dir>/<filename>` (tensors become lists); return the path."""
         path = self.run_dir / filename
-        f = self._jsonl_files.get(filename)
+        f = self._jsonl_files.pop(filename, None)
         if f is None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            f = self._jsonl_files[filename] = open(path, "a")
+            f = open(path, "a")
+            if len(self._jsonl_files) >= _MAX_OPEN_JSONL:  # one-shot files (val_data_stepN) must not pile up
+                oldest = next(iter(self._jsonl_files))
+                self._jsonl_files.pop(oldest).close()
+        self._jsonl_files[filename] = f  # most recently used last
         for row in rows:
             f.write(json.dumps(to_plain(row)) + "\n")
         f.flush()
