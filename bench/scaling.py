@@ -125,7 +125,7 @@ def measure_throughput(groups: dict[int, Any], args: argparse.Namespace) -> tupl
 
 def measure_refit(group: Any, cfg: PolicyConfig, reps: int, buffer_bytes: int) -> dict[str, list[float]]:
     """Refit from a Ray rank to a model in this process, both transports; seconds per MiB, bit-exactness checked."""
-    live = group.run_rank0(TimedPolicyWorker.state_dict_for_refit)
+    live = group.run_rank0(TimedPolicyWorker.state_dict)
     info = refit.refit_info(live.items())
     mib = sum(t.numel() * t.element_size() for t in live.values()) / 2**20
     receiver = load_causal_lm(cfg)

@@ -73,6 +73,12 @@ class _WorkerGroup(Protocol):
     def shutdown(self) -> bool: ...
 
 
+class _AttachingWorker(Protocol):
+    """What every data-plane worker offers (`worker.DataPlaneWorkerMixin`); groups dispatch by the method's name."""
+
+    def setup_data_plane(self, cfg: DataPlaneConfig | Mapping[str, Any]) -> None: ...
+
+
 def connect_driver_and_workers(group: _WorkerGroup, cfg: DataPlaneConfig, *, bootstrap: bool) -> DataPlaneClient:
     """A driver-side facade's client (counted as driver traffic), then every worker's own (`setup_data_plane`).
 
@@ -83,10 +89,8 @@ def connect_driver_and_workers(group: _WorkerGroup, cfg: DataPlaneConfig, *, boo
     except BaseException:
         group.shutdown()
         raise
-    from relayrl.data_plane.worker import DataPlaneWorkerMixin  # here: the worker module imports this one
-
     try:
-        group.run_all(DataPlaneWorkerMixin.setup_data_plane, cfg)
+        group.run_all(_AttachingWorker.setup_data_plane, cfg)
     except BaseException:
         client.close()
         group.shutdown()

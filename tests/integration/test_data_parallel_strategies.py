@@ -97,10 +97,7 @@ def run_policy(policy: Policy, vocab: int, ckpt: Path, model_dir: Path) -> dict[
         data["generation_logprobs"] = data["prev_logprobs"]
         data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
         results.append(policy.train(data, loss_fn, mbs=mbs))
-    per_rank = [
-        {k: v.detach().clone() for k, v in sd.items()}
-        for sd in policy._group.run_all(PolicyWorker.state_dict_for_refit)
-    ]
+    per_rank = [{k: v.detach().clone() for k, v in sd.items()} for sd in policy._group.run_all(PolicyWorker.state_dict)]
     policy.save_checkpoint(str(ckpt), str(ckpt / "optimizer"))  # FSDP2: every rank gathers its moment shards
     logprobs = policy.get_logprobs(make_batch(vocab, 2))["logprobs"]
     policy.load_checkpoint(str(model_dir))  # FSDP2 must re-cut its shards from the loaded full weights
@@ -111,7 +108,7 @@ def run_policy(policy: Policy, vocab: int, ckpt: Path, model_dir: Path) -> dict[
         data["prev_logprobs"] = data["generation_logprobs"] = policy.get_logprobs(data)["logprobs"]
         data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
         results.append(policy.train(data, loss_fn, mbs=2))
-    resumed = policy._group.run_all(PolicyWorker.state_dict_for_refit)
+    resumed = policy._group.run_all(PolicyWorker.state_dict)
     return {
         "resumed": [{k: v.detach().clone() for k, v in sd.items()} for sd in resumed],
         "moments": torch.load(ckpt / "optimizer" / "optimizer.pt", weights_only=True)["optimizer"]["state"],

@@ -29,7 +29,7 @@ from relayrl.config import ClusterConfig, GenerationConfig, PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.executor import build_worker_group, run_all_async
 from relayrl.distributed.interfaces import WorkerGroup
-from relayrl.models.generation.hf_generation import _assemble, _empty_generation, generation_limits
+from relayrl.models.generation.hf_generation import assemble_output, empty_generation, generation_limits
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
 from relayrl.models.generation.worker import GenerationWorker
 
@@ -227,11 +227,11 @@ class DistributedGeneration(GenerationInterface):
         limits = generation_limits(lengths, self.config.max_new_tokens, self.max_total_sequence_length)  # [B]
         max_new = int(limits.max()) if batch else self.config.max_new_tokens
         if batch == 0:
-            return _assemble(input_ids.cpu().long(), lengths, *_empty_generation(max_new), self.pad_token_id)
+            return assemble_output(input_ids.cpu().long(), lengths, *empty_generation(max_new), self.pad_token_id)
         uniforms = None if greedy else torch.rand((batch, max_new), generator=self._generator)  # [B, N]
         shards = []
         for start, end in contiguous_bounds(batch, self._group.world_size):
-            rows = BatchedDataDict(
+            rows: BatchedDataDict[Any] = BatchedDataDict(
                 {k: v[start:end].clone() if isinstance(v, torch.Tensor) else v[start:end] for k, v in data.items()}
             )  # clones: a view would ship the whole batch's storage to a remote worker
             shards.append((rows, None if uniforms is None else uniforms[start:end].clone()))

@@ -181,7 +181,7 @@ class HfGeneration(GenerationInterface):
         limits = generation_limits(lengths, self.config.max_new_tokens, self.max_total_sequence_length)  # [B]
         max_new = int(limits.max()) if batch else self.config.max_new_tokens
         if batch == 0:
-            return _assemble(input_ids, lengths, *_empty_generation(max_new), self.pad_token_id)
+            return assemble_output(input_ids, lengths, *empty_generation(max_new), self.pad_token_id)
         if seed is not None:
             self._generator.manual_seed(seed)
         if greedy:
@@ -214,7 +214,7 @@ class HfGeneration(GenerationInterface):
         finally:
             model.train(was_training)
         tokens, logprobs, gen_len, stopped = (t.cpu() for t in result)
-        return _assemble(input_ids, lengths, tokens, logprobs, gen_len, stopped, self.pad_token_id)
+        return assemble_output(input_ids, lengths, tokens, logprobs, gen_len, stopped, self.pad_token_id)
 
     def _validate(
         self, data: BatchedDataDict[GenerationDatumSpec]
@@ -401,7 +401,8 @@ def _left_pad(
     return left_ids, key_valid, src.clamp(min=0)
 
 
-def _empty_generation(max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def empty_generation(max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`assemble_output`'s generated parts for a batch of no rows: tokens, logprobs [0, N], lengths, stopped [0]."""
     return (
         torch.zeros((0, max_new), dtype=torch.long),
         torch.zeros((0, max_new)),
@@ -410,7 +411,7 @@ def _empty_generation(max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     )
 
 
-def _assemble(
+def assemble_output(
     input_ids: torch.Tensor,
     lengths: torch.Tensor,
     tokens: torch.Tensor,

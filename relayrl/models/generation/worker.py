@@ -28,6 +28,7 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.policy.worker import load_causal_lm
+from relayrl.models.worker_base import move_module
 from relayrl.utils import device as dev
 
 
@@ -56,7 +57,9 @@ class GenerationWorker:
         self.rank = rank
         self.comm = comm  # generation workers never talk to each other; kept for the WorkerGroup contract
         self.device = dev.select_device(device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
-        model = load_causal_lm(policy_config).to(self.device).requires_grad_(False).eval()
+        model = load_causal_lm(policy_config)
+        move_module(model, self.device)
+        model.requires_grad_(False).eval()
         self._source = _WorkerSource(model)
         # The engine reads this worker's module in place (the "colocated" engine mode): refit writes into it.
         gen_cfg = policy_config.generation.model_copy(update={"colocated": ColocatedConfig(enabled=True)})

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.policy.lm_policy import check_batch
-from relayrl.models.policy.worker import _LOAD_LOCK
+from relayrl.models.facade_base import check_batch
+from relayrl.models.worker_base import LOAD_LOCK, move_module, read_hf_config
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
 
@@ -27,10 +27,7 @@ _SCORE_KEYS = ("input_ids", "input_lengths")
 def load_sequence_classifier(model_dir: str | Path) -> PreTrainedModel:
     """A one-label decoder sequence classifier in float32; clear errors for anything else."""
     source = resolve_model_path(str(model_dir))  # FileNotFound / NotADirectory / no config.json
-    try:
-        hf_config = AutoConfig.from_pretrained(source)
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"cannot read a model config from {source}: {exc}") from exc
+    hf_config = read_hf_config(source)
     archs = list(hf_config.architectures or [])
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ValueError(
@@ -40,7 +37,7 @@ def load_sequence_classifier(model_dir: str | Path) -> PreTrainedModel:
     if hf_config.num_labels != 1:
         raise ValueError(f"reward model at {source} has num_labels={hf_config.num_labels}; a scalar reward needs 1")
     try:
-        with _LOAD_LOCK:  # transformers' loading patches process-wide state
+        with LOAD_LOCK:  # transformers' loading patches process-wide state
             model = AutoModelForSequenceClassification.from_pretrained(source, config=hf_config, dtype=torch.float32)
     except (OSError, KeyError, ValueError) as exc:
         raise ValueError(f"cannot load a sequence-classification model from {source}: {exc}") from exc
@@ -68,7 +65,7 @@ class RewardModelPolicy:
         self.model_dir = resolve_model_path(str(model_dir))
         self.model = load_sequence_classifier(self.model_dir)
         self.device = dev.select_device(device)
-        self.model.to(self.device)
+        move_module(self.model, self.device)
         self.micro_batch_size = micro_batch_size
         if tokenizer is None and (self.model_dir / "tokenizer_config.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -76,7 +73,7 @@ class RewardModelPolicy:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_input_embeddings().weight.shape[0])
+        return int(self.model.get_input_embeddings().get_parameter("weight").shape[0])
 
     def score(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """{"scores": float32 [B] on CPU}: the classifier's output at token input_lengths[i] - 1 of each row."""
@@ -110,7 +107,7 @@ class RewardModelPolicy:
             use_cache=False,
         ).last_hidden_state  # [b, S, H]
         last = hidden[torch.arange(batch, device=hidden.device), input_lengths - 1]  # [b, H]
-        return self.model.score(last).squeeze(-1)  # [b]
+        return self.model.get_submodule("score")(last).squeeze(-1)  # [b]
 
     def shutdown(self) -> bool:
         return True

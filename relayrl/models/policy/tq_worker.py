@@ -8,9 +8,6 @@ metadata and training statistics travel back to the driver.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
-
 import torch
 
 from relayrl.algorithms.logprob_error import per_sequence_logprob_error
@@ -23,9 +20,9 @@ from relayrl.data_plane.schema import (
     SAMPLE_MASK,
     TOKEN_MASK,
 )
-from relayrl.data_plane.worker import DataPlaneWorkerMixin
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.worker import PolicyWorker
+from relayrl.models.worker_base import TQModelWorker
 
 #: Train inputs a step may skip. The legacy trainer then trains on zeros of the shape of `generation_logprobs`,
 #: so a missing one is filled the same way.
@@ -34,67 +31,23 @@ ZERO_FILLED_WHEN_SKIPPED: tuple[str, ...] = (PREV_LOGPROBS, REFERENCE_POLICY_LOG
 SEQ_ERROR_FIELDS: tuple[str, ...] = (TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, GENERATION_LOGPROBS)
 
 
-class TQPolicyWorker(PolicyWorker, DataPlaneWorkerMixin):
+class TQPolicyWorker(PolicyWorker, TQModelWorker):
     """One data-parallel rank of a `TQPolicy`. Adds no construction state: attach with `setup_data_plane`."""
-
-    def _local_coords(self) -> dict[str, int]:
-        """Pure data parallelism (no tensor/context/pipeline axes): every rank leads its own replica and writes
-        back its own keys, also under torch.distributed (the Ray executor)."""
-        return {}
 
     # ------------------------------------------------------------------ logprob-style passes
     def get_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Policy log-probs of this rank's keys, written back as `prev_logprobs`. Returns None."""
-        self._logprob_pass(meta, self.get_logprobs, micro_batch_size, "logprobs", PREV_LOGPROBS)
+        self._write_back_pass(meta, self.get_logprobs, micro_batch_size, "logprobs", PREV_LOGPROBS)
 
     def get_reference_policy_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Reference-model log-probs of this rank's keys, written back as `reference_policy_logprobs`."""
-        self._logprob_pass(
+        self._write_back_pass(
             meta, self.get_reference_policy_logprobs, micro_batch_size, "reference_logprobs", REFERENCE_POLICY_LOGPROBS
         )
 
-    def _logprob_pass(
-        self,
-        meta: KVBatchMeta,
-        compute: Callable[[BatchedDataDict, int | None], BatchedDataDict],
-        micro_batch_size: int | None,
-        result_key: str,
-        field: str,
-    ) -> None:
-        if meta.size == 0:  # more ranks than rows: this rank has nothing to do
-            return None
-        data = self._fetch(meta)
-        result = compute(data, micro_batch_size)  # [n, W] at the global forward width
-        self._write_back(meta, result, result_key=result_key, field=field)
-        return None
-
-    def _write_back(self, meta: KVBatchMeta, result: Mapping[str, Any], *, result_key: str, field: str) -> None:
-        if result_key not in result:
-            raise RuntimeError(f"worker result is missing key '{result_key}' (has {sorted(result)})")
-        self._write_back_result_field(meta, field, result[result_key])
-
-    # ------------------------------------------------------------------ training
-    def train_presharded(
-        self,
-        meta: KVBatchMeta,
-        loss_fn: Callable[..., Any],
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
-    ) -> dict[str, Any]:
-        """Fetch this rank's training rows (`meta.fields`), then run the ordinary `train`; returns its result."""
-        if meta.size == 0:
-            raise ValueError(
-                "train_presharded: this rank's meta has no keys; the global batch must give every rank rows"
-            )
-        data = complete_train_batch(self._fetch(meta))
-        return self.train(
-            data,
-            loss_fn,
-            eval_mode,
-            gbs or self.cfg.train_global_batch_size,
-            mbs or self.cfg.train_micro_batch_size,
-        )
+    # ------------------------------------------------------------------ training (train_presharded: TQModelWorker)
+    def _complete_train_batch(self, data: BatchedDataDict) -> BatchedDataDict:
+        return complete_train_batch(data)
 
     # ------------------------------------------------------------------ per-row reductions
     def seq_logprob_error_presharded(self, meta: KVBatchMeta) -> dict[str, torch.Tensor]:
@@ -107,11 +60,6 @@ class TQPolicyWorker(PolicyWorker, DataPlaneWorkerMixin):
             data[TOKEN_MASK], data[SAMPLE_MASK], data[PREV_LOGPROBS], data[GENERATION_LOGPROBS]
         )
         return {"seq_logprob_error": seq_err, "num_loss_tokens": num_tokens}
-
-    # ------------------------------------------------------------------ observability
-    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
-        """This rank's client counters (`data_plane/*`), so the driver can total bytes moved by every client."""
-        return {} if self._dp_client is None else self._dp_client.metrics(reset)
 
 
 def complete_train_batch(data: BatchedDataDict) -> BatchedDataDict:

@@ -1,68 +1,55 @@
-"""PolicyWorker: one data-parallel replica of the policy and all of its compute.
+"""PolicyWorker: one data-parallel replica of the policy and its policy-specific compute.
 
-A worker owns the live model (float32 master weights), an optional frozen reference copy, the optimizer and the
-LR schedule. It knows nothing about how it is hosted: the local executor calls it as a plain object, a Ray group
-would call it as an actor. Everything that must agree across data-parallel ranks (global valid counts, gradients,
-losses, calibration maxima) goes through `self.comm`, a `Collective`; with one rank those calls are no-ops.
+The shared replica mechanics (loading, optimizer and LR schedule, train(), memory phases, checkpoints) live in
+`models.worker_base.ModelWorker`. Here: the frozen reference copy, next-token log-probs (filtered like the sampler),
+top-k logits, the policy loss of a micro-batch, FP8 KV-cache calibration and the refit senders. Everything that
+must agree across data-parallel ranks (calibration maxima included) goes through `self.comm`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import itertools
-import math
 import os
 import re
-import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from relayrl.config import PolicyConfig, SchedulerConfig
+from relayrl.algorithms.interfaces import LossFunction
+from relayrl.config import PolicyConfig
 from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.distributed.interfaces import Collective
-from relayrl.distributed.local import SingleProcessCollective
-from relayrl.distributed.parallelize import wrap_model
 from relayrl.models.fast.forward import backbone_hidden_states, selected_hidden_states
-from relayrl.models.optim import (
-    all_reduce_clip_and_step,
-    load_optimizer_checkpoint,
-    save_optimizer_checkpoint,
-    train_global_batches,
-)
 from relayrl.models.policy import logprobs as lp_ops
+from relayrl.models.worker_base import (
+    LOAD_LOCK,
+    MicrobatchLoss,
+    ModelWorker,
+    WorkerOptions,
+    move_module,
+    read_hf_config,
+)
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
 
 FP8_E4M3_MAX = 448.0
 _ATTN_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj$")
-# transformers' loading patches process-wide state (meta-device init), so in-process workers load one at a time.
-_LOAD_LOCK = threading.Lock()
 
 
 def load_causal_lm(config: PolicyConfig, weights_path: str | None = None) -> PreTrainedModel:
     """The policy network in float32: `weights_path` if given, else `model_name` (fresh weights if random_init)."""
-    with _LOAD_LOCK:
+    with LOAD_LOCK:
         return _load_causal_lm(config, weights_path)
 
 
 def _load_causal_lm(config: PolicyConfig, weights_path: str | None) -> PreTrainedModel:
     source = resolve_model_path(weights_path or config.model_name)  # clear FileNotFound / not-a-model errors
-    try:
-        hf_config = AutoConfig.from_pretrained(source)
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"cannot read a model config from {source}: {exc}") from exc
-    for key, value in config.hf_config_overrides.items():
-        if not hasattr(hf_config, key):
-            raise ValueError(f"policy.hf_config_overrides: {type(hf_config).__name__} has no attribute {key!r}")
-        setattr(hf_config, key, value)
+    hf_config = read_hf_config(source, config.hf_config_overrides, "policy")
     try:
         if config.random_init and weights_path is None:
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -75,35 +62,6 @@ def _load_causal_lm(config: PolicyConfig, weights_path: str | None) -> PreTraine
     return model.float()
 
 
-def _move(module: nn.Module, device: torch.device) -> None:
-    """Move a module's parameters and buffers in place (a no-op when they are already there).
-
-    Checked first because `Module.to` walks every tensor even when nothing moves, which costs milliseconds a pass.
-    """
-    if all(t.device == device for t in itertools.chain(module.parameters(), module.buffers())):
-        return
-    module.to(device)
-
-
-def _set_mode(module: nn.Module, training: bool) -> None:
-    """`module.train(training)` only when the mode changes (the recursive walk is not free on every pass)."""
-    if module.training != training:
-        module.train(training)
-
-
-def lr_factor(step: int, sched: SchedulerConfig, max_num_steps: int | None) -> float:
-    """LR multiplier after `step` scheduler steps: linear warm-up, then constant or cosine to min_lr_ratio."""
-    if step < sched.warmup_steps:
-        return sched.warmup_start_factor + (1.0 - sched.warmup_start_factor) * step / sched.warmup_steps
-    if sched.name == "constant":
-        return 1.0
-    horizon = sched.decay_steps or max_num_steps
-    if horizon is None:
-        raise ValueError("policy.scheduler.name='cosine' needs policy.scheduler.decay_steps or max_num_steps")
-    progress = min(step - sched.warmup_steps, horizon) / horizon
-    return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def percentile_of(values: list[float], percentile: float) -> float:
     """Nearest-rank percentile: sorted values indexed at round(p/100 * (n-1)); 0.0 when there are none."""
     if not values:
@@ -113,67 +71,44 @@ def percentile_of(values: list[float], percentile: float) -> float:
     return ordered[idx]
 
 
-class PolicyWorker:
+class PolicyWorker(ModelWorker):
     """Holds one replica and runs logprob, top-k, train and calibration passes on its data shard."""
+
+    owner = "policy"
+    fused_adamw = True
+    cfg: PolicyConfig
+    model: PreTrainedModel
 
     def __init__(
         self,
         config: PolicyConfig,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         *,
-        rank: int = 0,
-        comm: Collective | None = None,
-        device: str = "auto",
         init_reference_model: bool = True,
-        init_optimizer: bool = True,
-        weights_path: str | None = None,
-        optimizer_path: str | None = None,
-        max_num_steps: int | None = None,
+        **options: Unpack[WorkerOptions],
     ) -> None:
-        self.cfg = config
-        self.tokenizer = tokenizer
-        self.rank = rank
-        self.comm: Collective = comm if comm is not None else SingleProcessCollective()
-        self.device = dev.select_device(device, local_rank=rank)
-        self.model = load_causal_lm(config, weights_path)
-        if self.comm.world_size > 1:  # every replica starts from rank 0's weights (matters for random_init)
-            for tensor in self.model.state_dict().values():
-                self.comm.broadcast(tensor, src=0)
-        if config.activation_checkpointing and self.model.supports_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        _move(self.model, self.device)
-        self.weights_version = 0
-        # Snapshot of the loaded weights (a checkpoint's on resume, as in the reference system), taken before any
-        # data-parallel wrapping. A second frozen module on the CPU costs the same memory as a state-dict snapshot
-        # but needs no weight swapping: on CPU it is used in place, on a GPU it is moved over only for the reference.
+        self._init_reference_model = init_reference_model
         self.reference_model: PreTrainedModel | None = None
-        if init_reference_model:
+        self._weight_group: refit.WeightUpdateGroup | None = None  # joined by init_collective
+        super().__init__(config, tokenizer, **options)
+
+    def _load(self, weights_path: str | None) -> PreTrainedModel:
+        return load_causal_lm(self.cfg, weights_path)
+
+    def _backbone(self) -> PreTrainedModel:
+        return self.model
+
+    def _save_weights(self, path: str) -> None:
+        self.model.save_pretrained(path)
+
+    def _before_wrap(self) -> None:
+        """Snapshot the loaded weights (a checkpoint's on resume, as in the reference system) before any
+        data-parallel wrapping. A second frozen module on the CPU costs the same memory as a state-dict snapshot
+        but needs no weight swapping: on CPU it is used in place, on a GPU it is moved over only for the reference.
+        """
+        if self._init_reference_model:
             self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-            _move(self.reference_model, torch.device("cpu"))
-        # `self.model` stays the plain full module every other pass reads; training runs on `self.dp.train_module`.
-        self.dp = wrap_model(self.model, config.data_parallel.strategy, self.comm, self.device)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        if init_optimizer:
-            self._build_optimizer(max_num_steps)
-        if optimizer_path is not None:
-            self._load_optimizer(optimizer_path)
-
-    # ------------------------------------------------------------------ construction helpers
-    def _build_optimizer(self, max_num_steps: int | None) -> None:
-        kw = self.cfg.optimizer.kwargs
-        params = self.dp.params
-        self.optimizer = torch.optim.AdamW(
-            params, lr=kw.lr, weight_decay=kw.weight_decay, betas=kw.betas, eps=kw.eps, **dev.adamw_kernel(params)
-        )
-        sched = self.cfg.scheduler
-        lr_factor(sched.warmup_steps, sched, max_num_steps)  # fail now, not at step N, if cosine has no horizon
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, max_num_steps))
-
-    def _load_optimizer(self, optimizer_path: str) -> None:
-        self.weights_version = load_optimizer_checkpoint(
-            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device, "policy"
-        )
+            move_module(self.reference_model, torch.device("cpu"))
 
     # ------------------------------------------------------------------ forward building blocks
     @property
@@ -244,24 +179,6 @@ class PolicyWorker:
     def filtering(self) -> bool:
         return lp_ops.filtering_active(self.cfg.generation.top_k, self.cfg.generation.top_p)
 
-    def _model_device(self, model: nn.Module) -> torch.device:
-        return next(model.parameters()).device
-
-    def _micro_batches(self, data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
-        n = data.size
-        for start in range(0, n, size):
-            yield data.slice(start, min(start + size, n)).to(device)
-
-    @contextlib.contextmanager
-    def _mode(self, model: nn.Module, training: bool) -> Iterator[None]:
-        """Switch train/eval mode for one pass and restore the caller's mode afterwards."""
-        previous = model.training
-        _set_mode(model, training)
-        try:
-            yield
-        finally:
-            _set_mode(model, previous)
-
     # ------------------------------------------------------------------ logprob-style passes
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         return BatchedDataDict(logprobs=self._logprobs(self.model, data, micro_batch_size, filtered=self.filtering))
@@ -272,11 +189,11 @@ class PolicyWorker:
         if self.reference_model is None:
             raise RuntimeError("reference log-probs requested but the policy was built with init_reference_model=False")
         ref = self.reference_model
-        _move(ref, self.device)
+        move_module(ref, self.device)
         try:  # temperature kept, top-k/top-p off: the KL term compares full distributions
             out = self._logprobs(ref, data, micro_batch_size, filtered=False)
         finally:
-            _move(ref, torch.device("cpu"))
+            move_module(ref, torch.device("cpu"))
             dev.empty_cache(self.device)
         return BatchedDataDict(reference_logprobs=out)
 
@@ -321,47 +238,11 @@ class PolicyWorker:
                 indices.append(i.masked_fill(pad[..., None], 0).long().cpu())
         return BatchedDataDict(topk_logits=torch.cat(values), topk_indices=torch.cat(indices))
 
-    # ------------------------------------------------------------------ training
-    def train(
-        self, data: BatchedDataDict, loss_fn: Callable[..., Any], eval_mode: bool, gbs: int, mbs: int
-    ) -> dict[str, Any]:
-        """§3.9: one optimizer step per global batch of `gbs` rows (this rank holds gbs / world of them)."""
-        if not eval_mode and (self.optimizer is None or self.scheduler is None):
-            raise RuntimeError("train() needs an optimizer but the policy was built with init_optimizer=False")
-        device = self._model_device(self.model)
-        grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
-        with self._mode(self.model, not eval_mode), grad_ctx:
-            result = train_global_batches(
-                data=data,
-                gbs=gbs,
-                mbs=mbs,
-                eval_mode=eval_mode,
-                comm=self.comm,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                params=self.dp.params,
-                device=device,
-                micro_batches=self._micro_batches,
-                valid_tokens=lambda gb_data: gb_data["token_mask"][:, 1:],
-                loss_for_microbatch=self._policy_microbatch_loss(loss_fn),
-                step=self._reduce_clip_and_step,
-                rank=self.rank,
-                dp=self.dp,
-                zero_loss=self._zero_loss,
-            )
-        if not eval_mode:
-            dev.empty_cache(self.device)
-        return {
-            **result,
-            "weights_version": self.weights_version,
-            "rank": self.rank,
-            "model_dtype": str(dev.precision_dtype(self.cfg.precision)),
-            "device": dev.device_name(self.device),
-        }
+    # ------------------------------------------------------------------ training (the loop is ModelWorker.train)
+    def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
+        return data["token_mask"][:, 1:]  # [b, S-1]: position 0 predicts nothing
 
-    def _policy_microbatch_loss(
-        self, loss_fn: Callable[..., Any]
-    ) -> Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]:
+    def _microbatch_loss(self, loss_fn: LossFunction) -> MicrobatchLoss:
         """Current-policy next-token logprobs (filtered like the sampler, plus an unfiltered copy for the KL term when
         filtering is on) fed to `loss_fn` with the global counts."""
 
@@ -390,13 +271,6 @@ class PolicyWorker:
         mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]).long()  # [b, S]
         logits = self.dp.train_module(input_ids=ids, attention_mask=mask, use_cache=False).logits  # [b, S, V]
         return logits.float().sum() * 0.0
-
-    def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
-        assert self.optimizer is not None
-        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
-        self.weights_version += 1
-        return grad_norm
 
     # ------------------------------------------------------------------ FP8 KV-cache calibration
     def calibrate_qkv_fp8_scales(
@@ -445,59 +319,21 @@ class PolicyWorker:
         }
         return {"format": "fp8", "percentile": percentile, "margin": margin, "layers": layers}
 
-    # ------------------------------------------------------------------ memory phases
-    def prepare_for_training(self) -> None:
-        _move(self.model, self.device)
-        _set_mode(self.model, True)
-        if self.optimizer is not None:
-            dev.move_optimizer_state(self.optimizer, self.device)
-        dev.empty_cache(self.device)
-
+    # ------------------------------------------------------------------ memory phases (plus ModelWorker's)
     def prepare_for_lp_inference(self) -> None:
-        _move(self.model, self.device)
-        _set_mode(self.model, False)
-        dev.empty_cache(self.device)
-
-    def finish_training(self) -> None:
-        _set_mode(self.model, False)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        self._enter_inference(offload_optimizer=False)
 
     def offload_before_refit(self) -> None:
-        if self.optimizer is not None:
-            dev.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        dev.empty_cache(self.device)
+        self.offload_optimizer()
 
     def offload_after_refit(self) -> None:
-        _move(self.model, torch.device("cpu"))
-        self.model.eval()
-        self.offload_before_refit()
+        self.offload_to_cpu()
 
-    # ------------------------------------------------------------------ weights in / out
-    def get_weights_version(self) -> int:
-        return self.weights_version
-
-    def get_device(self) -> str:
-        return str(self.device)
-
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Copy saved weights into the live module in place (its identity, shared with a colocated engine, stays)."""
-        saved = load_causal_lm(self.cfg, weights_path)
-        self.model.load_state_dict(saved.state_dict())
-        self.dp.load_full_into_shards()
-        if optimizer_path is not None:
-            self._load_optimizer(optimizer_path)  # also restores weights_version
-        else:
-            self.weights_version += 1  # the live weights changed: a colocated engine must notice
-
-    def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
-
+    # ------------------------------------------------------------------ refit to separate generation workers
     def prepare_refit_info(self) -> dict[str, Any]:
         dtype = dev.precision_dtype(self.cfg.precision)  # streamed tensors are cast to the policy precision
         return {name: (tuple(t.shape), dtype) for name, t in self.model.state_dict().items()}
 
-    # ------------------------------------------------------------------ refit to separate generation workers
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None) -> bool:
         """Stream this rank's weights (policy precision) to the generation worker on the same device."""
         if kv_scales is not None:
@@ -520,7 +356,7 @@ class PolicyWorker:
 
     def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
         """Rank 0 broadcasts its weights (and KV scales); the other training ranks take part and drop them."""
-        group = getattr(self, "_weight_group", None)
+        group = self._weight_group
         if group is None:
             raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
         if self.rank == 0:
@@ -530,26 +366,6 @@ class PolicyWorker:
             group.receive_weights(self.prepare_refit_info(), None)
         return True
 
-    def save_checkpoint(
-        self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None
-    ) -> None:
-        """HF directory (config + safetensors) at weights_path; optimizer/scheduler state at optimizer_path.
-
-        Called on every rank (gathering fsdp2's sharded optimizer state is a collective); rank 0 writes."""
-        if optimizer_path is not None:
-            save_optimizer_checkpoint(
-                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank, "policy"
-            )
-        if self.rank != 0:
-            return
-        self.model.save_pretrained(weights_path)
-        if tokenizer_path is not None:
-            if self.tokenizer is None:
-                raise ValueError("tokenizer_path was given but the policy has no tokenizer")
-            self.tokenizer.save_pretrained(tokenizer_path)
-
     def shutdown(self) -> bool:
         self.reference_model = None
-        self.optimizer = None
-        self.scheduler = None
-        return True
+        return super().shutdown()

@@ -11,12 +11,13 @@ the store, and it is row-local except for the optional whitening (see `relayrl.a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
 from relayrl.algorithms.gae import (
+    GeneralizedAdvantageEstimator,
+    RawRewardAdvantageEstimator,
     advantage_moments,
     shard_advantage_stats,
     whiten_with_moments,
@@ -32,8 +33,8 @@ from relayrl.data_plane.schema import (
     SAMPLE_MASK,
     TOKEN_MASK,
 )
-from relayrl.data_plane.worker import DataPlaneWorkerMixin
 from relayrl.models.value.worker import ValueWorker
+from relayrl.models.worker_base import TQModelWorker
 
 VALUES = "values"
 RETURNS = "returns"
@@ -47,55 +48,25 @@ ADVANTAGE_FIELDS: tuple[str, ...] = (TOKEN_MASK, SAMPLE_MASK, VALUES, REWARDS)
 #: Per-token columns the critic adds to the store (written unpadded by sequence length).
 VALUE_TOKEN_FIELDS: frozenset[str] = frozenset({VALUES, RETURNS})
 
+#: The PPO estimators the advantage pass runs.
+AdvantageEstimator: TypeAlias = GeneralizedAdvantageEstimator | RawRewardAdvantageEstimator
 #: Advantage-pass modes: the whole estimator on this shard; raw advantages + moments; whitening with moments.
 ADV_FULL, ADV_RAW, ADV_WHITEN = "full", "raw", "whiten"
 
 
-class TQValueWorker(ValueWorker, DataPlaneWorkerMixin):
+class TQValueWorker(ValueWorker, TQModelWorker):
     """One data-parallel rank of a `TQValue`. Adds no construction state: attach with `setup_data_plane`."""
 
-    def _local_coords(self) -> dict[str, int]:
-        """Pure data parallelism: every rank leads its own replica and writes back its own keys (also on Ray)."""
-        return {}
-
-    # ------------------------------------------------------------------ values
+    # ------------------------------------------------------------------ values (train_presharded: TQModelWorker)
     def get_values_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Critic values of this rank's keys, written back as the per-token `values` column. Returns None."""
-        if meta.size == 0:  # more ranks than rows
-            return None
-        data = self._fetch(meta, VALUE_SEED_FIELDS)
-        values = self.get_values(data, micro_batch_size)[VALUES]  # [n, W]
-        self._write_back_result_field(meta, VALUES, values, per_token=True)
-        return None
-
-    # ------------------------------------------------------------------ training
-    def train_presharded(
-        self,
-        meta: KVBatchMeta,
-        loss_fn: Callable[..., Any],
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
-    ) -> dict[str, Any]:
-        """Fetch this rank's training rows (`meta.fields`), then run the ordinary `train`; returns its result."""
-        if meta.size == 0:
-            raise ValueError(
-                "train_presharded: this rank's meta has no keys; the global batch must give every rank rows"
-            )
-        data = self._fetch(meta)
-        return self.train(
-            data,
-            loss_fn,
-            eval_mode,
-            gbs or self.cfg.train_global_batch_size,
-            mbs or self.cfg.train_micro_batch_size,
-        )
+        self._write_back_pass(meta, self.get_values, micro_batch_size, VALUES, VALUES, VALUE_SEED_FIELDS)
 
     # ------------------------------------------------------------------ advantages
     def advantages_presharded(
         self,
         meta: KVBatchMeta,
-        estimator: Any,
+        estimator: AdvantageEstimator,
         *,
         mode: str = ADV_FULL,
         logprob_fields: tuple[str, ...] = (),
@@ -144,8 +115,3 @@ class TQValueWorker(ValueWorker, DataPlaneWorkerMixin):
         if mode == ADV_RAW:
             return {"moments": advantage_moments(advantages, mask).tolist()}
         return shard_advantage_stats(advantages, returns, data[VALUES], mask)
-
-    # ------------------------------------------------------------------ observability
-    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
-        """This rank's client counters (`data_plane/*`), so the driver can total the bytes every client moved."""
-        return {} if self._dp_client is None else self._dp_client.metrics(reset)

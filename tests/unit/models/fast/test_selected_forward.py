@@ -207,7 +207,7 @@ def test_worker_loss_and_gradients_match_a_transformers_forward(
     seqs, toks = data["sample_mask"].sum(), mask.sum()
     model = worker.model.train()
     model.zero_grad(set_to_none=True)
-    loss, metrics = worker._policy_microbatch_loss(loss_fn)(data.copy(), seqs, toks)
+    loss, metrics = worker._microbatch_loss(loss_fn)(data.copy(), seqs, toks)
     loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ from relayrl.algorithms.loss_functions import ClippedPGLossFn, NLLLossFn
 from relayrl.config import ClippedPGLossConfig, ClusterConfig, PolicyConfig, SchedulerConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.lm_policy import Policy
-from relayrl.models.policy.worker import lr_factor
+from relayrl.models.worker_base import lr_factor
 
 B, S = 8, 12
 LENGTHS = torch.tensor([12, 5, 7, 2, 12, 9, 3, 10])  # ragged, right-padded

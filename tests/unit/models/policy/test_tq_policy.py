@@ -19,8 +19,9 @@ from relayrl.data_plane.preshard import shard_meta_for_dp
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, GLOBAL_FORWARD_PAD_SEQLEN, PAD_TO_MULTIPLE, round_up
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.lm_policy import Policy
-from relayrl.models.policy.tq_policy import DataPlaneLeakError, TQPolicy, _aggregate_train_results
+from relayrl.models.policy.tq_policy import TQPolicy, _aggregate_train_results
 from relayrl.models.policy.tq_worker import TQPolicyWorker
+from relayrl.models.tq_facade import DataPlaneLeakError
 
 DP_CFG = DataPlaneConfig(enabled=True, backend="memory", storage_capacity=10_000)
 MULT = 4  # make_sequence_length_divisible_by
@@ -222,7 +223,7 @@ def test_train_from_meta_rejects_bad_batch_sizes(make_policy: Callable[..., Any]
     batch = rollout_like_batch(lengths_for(6), len(char_tokenizer), char_tokenizer.pad_token_id)
     meta, _ = seed_step(policy, batch)
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
-    with pytest.raises(ValueError, match="not a positive multiple of the global batch 8"):
+    with pytest.raises(ValueError, match="not a positive multiple of the global batch size 8"):
         policy.train_from_meta(meta, loss_fn)
     with pytest.raises(ValueError, match="whole micro-batches"):
         policy.train_from_meta(meta, loss_fn, gbs=6, mbs=4)

@@ -18,7 +18,7 @@ from relayrl.data_plane.factory import build_data_plane_client
 from relayrl.data_plane.interfaces import DataPlaneClient, DataPlaneClosedError, KVBatchMeta, UnknownFieldError
 from relayrl.data_plane.schema import round_up
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.policy.tq_policy import DataPlaneLeakError
+from relayrl.models.tq_facade import DataPlaneLeakError
 from relayrl.models.value.lm_value import Value
 from relayrl.models.value.tq_value import PPO_TRAIN_FIELDS, TQValue
 
