@@ -1,9 +1,12 @@
 """Helpers shared by the tests (`from tests.helpers import ...`): float32 tolerances derived from rounding error,
-training batches."""
+training batches, run directories."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,3 +105,19 @@ def ragged_batch(
     if returns:
         batch["returns"] = torch.randn(rows, seq_len, generator=g)
     return batch
+
+
+def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def metrics_by_step(run_dir: Path, prefixes: tuple[str, ...] = ("train/", "critic/", "validation/")) -> dict[int, dict]:
+    """The last logged value of every metric under `prefixes` per step (a killed and resumed run may log a step twice;
+    rates per second, which depend on the machine, are left out)."""
+    out: dict[int, dict] = {}
+    for row in metrics_rows(run_dir):
+        keep = {k: v for k, v in row.items() if k.startswith(prefixes) and "per_sec" not in k}
+        if keep:
+            out.setdefault(int(row["step"]), {}).update(keep)
+    return out

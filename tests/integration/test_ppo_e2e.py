@@ -1,6 +1,6 @@
 """End to end on CPU: PPO through `run_training` (3 steps, critic warm-up, 2 PPO epochs), SIGKILL + exact resume of
-policy and critic, on the legacy and the data-plane trainer; and GRPO trained against a learned reward (the
-`reward_model` environment)."""
+policy and critic, on the legacy and the data-plane trainer; the critic learning on the shipped model; and GRPO
+trained against a learned reward (the `reward_model` environment)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
+from tests.helpers import metrics_by_step, metrics_rows
 
 STEPS = 3
 _RUN_PPO = (
@@ -55,22 +56,6 @@ def _ppo_overrides(model_dir: Path) -> list[str]:
     ]
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _step_metrics(run_dir: Path) -> dict[int, dict]:
-    """Last logged train/critic/validation metrics per step (a killed run may have logged a step twice)."""
-    out: dict[int, dict] = {}
-    for row in _rows(run_dir):
-        keep = {
-            k: v for k, v in row.items() if k.startswith(("train/", "critic/", "validation/")) and "per_sec" not in k
-        }
-        if keep:
-            out.setdefault(row["step"], {}).update(keep)
-    return out
-
-
 @pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
 def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, data_plane):
     """Both trainers (`ppo_train`, `ppo_train_sync`): metrics, checkpoints of policy and critic, exact resume."""
@@ -78,14 +63,18 @@ def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, 
     ref_dir = tmp_path / "uninterrupted"
     summary = run_training(load_config(None, overrides), ref_dir)
     assert summary["first_validation"]["step"] == 0 and summary["last_validation"]["step"] == STEPS
-    reference = _step_metrics(ref_dir)
+    reference = metrics_by_step(ref_dir)
     assert sorted(s for s in reference if s > 0) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         m = reference[step]
-        assert math.isfinite(m["critic/loss"]) and m["critic/loss"] >= 0
-        for key in ("critic/explained_var", "critic/vf_clipfrac", "critic/values_mean", "critic/returns_mean"):
+        for key in (
+            "critic/loss",
+            "critic/explained_var",
+            "critic/vf_clipfrac",
+            "critic/values_mean",
+            "critic/returns_mean",
+        ):
             assert math.isfinite(m[key]), key
-        assert 0.0 <= m["train/reward"] <= 1.0
         # Critic warm-up: the actor trains from step 2 on (total_steps >= policy_training_start_step = 1).
         assert m["train/policy_trained"] == (0.0 if step == 1 else 1.0)
         assert ("train/loss" in m) == (step > 1)
@@ -115,8 +104,38 @@ def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, 
     assert not (run_dir / "checkpoints" / f"step_{STEPS}").exists()
 
     run_training(load_config(None, overrides), run_dir)
-    resumed = _step_metrics(run_dir)
+    resumed = metrics_by_step(run_dir)
     assert resumed[STEPS] == reference[STEPS], "step 3 differs after resume (policy or critic not restored exactly)"
+
+
+def test_ppo_critic_learns_on_the_shipped_model(tmp_path):
+    """Learning, in numbers: 20 critic-only PPO steps (configs/ppo_arith_tiny.yaml, the actor held at its warm start by
+    policy_training_start_step, seed 42) cut the critic's loss and raise its explained variance (1 - residual /
+    return variance: the loss normalised by each batch's spread of returns). Measured on a 2-core CPU (~10-14 s),
+    means of the last 5 steps against the first 5: loss ratio 0.574 at seed 42 (0.0747 -> 0.0429), 0.690 and 0.697
+    at seeds 1 and 2; explained variance +0.33 (-0.317 -> +0.016), +0.39, +0.36. Bounds: loss ratio <= 0.85 and
+    explained variance up by >= 0.15. A critic that does not learn (value lr 1e-8) still shows a loss ratio of 0.81
+    (batches differ in their spread of returns) but explained variance -0.16: the second bound is the one that
+    separates them."""
+    overrides = [
+        "ppo.max_num_steps=20",
+        "ppo.policy_training_start_step=1000",  # the actor stays fixed: the critic fits one reward distribution
+        "ppo.val_at_start=false",
+        "ppo.val_at_end=false",
+        "ppo.val_period=0",
+        "checkpointing.enabled=false",
+        "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false",
+    ]
+    run_dir = tmp_path / "critic"
+    run_training(load_config(str(Path(__file__).parents[2] / "configs" / "ppo_arith_tiny.yaml"), overrides), run_dir)
+    steps = metrics_by_step(run_dir)
+    assert sorted(steps) == list(range(1, 21)) and all(m["train/policy_trained"] == 0.0 for m in steps.values())
+    loss = [steps[s]["critic/loss"] for s in range(1, 21)]
+    explained = [steps[s]["critic/explained_var"] for s in range(1, 21)]
+    first, last = sum(loss[:5]) / 5, sum(loss[-5:]) / 5
+    assert last <= 0.85 * first, f"critic loss {first:.4f} -> {last:.4f} (first / last 5 steps)"
+    assert sum(explained[-5:]) / 5 >= sum(explained[:5]) / 5 + 0.15, explained
 
 
 @pytest.fixture()
@@ -168,7 +187,7 @@ def test_grpo_trains_against_a_learned_reward(tmp_path, tiny_model_dir, tiny_rew
     ]
     run_dir = tmp_path / "grpo_rm"
     run_training(load_config(None, overrides), run_dir)
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     train = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train] == [1, 2]
     assert all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/reward"]) for r in train)
