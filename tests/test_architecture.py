@@ -1,0 +1,445 @@
+"""The import structure of relayrl/ (issue 13): layers only import downwards, and no import cycles.
+
+Every module under relayrl/ is parsed (ast, nothing is imported) and each of its imports of a relayrl module is
+checked. Layers, top to bottom (an import may go to its own layer or any lower one):
+
+    relayrl.cli
+    trainers: every relayrl.algorithms module that is not a math module (grpo, ppo, setup, runner, parity, ...)
+    core: the algorithms math modules (MATH_MODULES), relayrl.models, relayrl.experience, relayrl.environments
+    infrastructure: relayrl.data_plane, relayrl.distributed
+    relayrl.utils
+    relayrl.config
+
+Inside core, math modules import nothing from models, experience or environments (pure functions over tensors).
+Module-level and function-level imports both count for the layers (so do `if TYPE_CHECKING:` imports and
+`importlib.import_module` of a relayrl module named by a string literal). Cycles are searched twice: among the imports
+that run when a module is imported (module level, outside `if TYPE_CHECKING:`), and with function-level and dynamic
+imports added (modules that need each other, one of them importing late to dodge the import-time error). An import
+`a.b.c` is an edge to a.b.c only (not to the packages a, a.b whose __init__ also runs). A third rule: no module
+imports another module's private (underscore) name. `relayrl/__init__.py` is exempt. A new top-level package must be
+given a layer here (an unclassified module is an error). Each violation prints as `importer -> imported (line N)`.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "relayrl"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+#: relayrl.algorithms.<name> modules that hold pure math (losses, advantages, GAE, ...): the core layer.
+MATH_MODULES = frozenset(
+    {
+        "advantages",
+        "gae",
+        "loss_functions",
+        "value_loss",
+        "logprob_error",
+        "reward_functions",
+        "utils",
+        "interfaces",
+        "kl",
+        "shaping",
+    }
+)
+#: Layer ranks, top (highest) to bottom.
+CLI, TRAINERS, CORE, INFRA, UTILS, CONFIG = 5, 4, 3, 2, 1, 0
+LAYER_NAMES = {
+    CLI: "cli",
+    TRAINERS: "trainers",
+    CORE: "core",
+    INFRA: "infrastructure",
+    UTILS: "utils",
+    CONFIG: "config",
+}
+#: Top-level packages / modules -> layer (relayrl.algorithms is split by MATH_MODULES).
+TOP_LEVEL = {
+    "cli": CLI,
+    "models": CORE,
+    "experience": CORE,
+    "environments": CORE,
+    "data_plane": INFRA,
+    "distributed": INFRA,
+    "utils": UTILS,
+    "config": CONFIG,
+}
+#: Core packages a math module must not import from.
+NOT_FOR_MATH = ("models", "experience", "environments")
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str  # a relayrl module (the package itself for `from relayrl import __version__`)
+    line: int
+    kind: str  # "module" (runs when the importer is imported), "function", "type_checking" or "dynamic"
+    names: tuple[str, ...] = ()  # `from X import a, b`: the names that are not submodules
+
+    def __str__(self) -> str:
+        return f"{self.importer} -> {self.imported} (line {self.line})"
+
+
+def module_names(root: Path, package: str = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under `root` (the directory of `package`)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def imports_of(module: str, path: Path, known: Iterable[str], package: str = PACKAGE) -> list[Import]:
+    """The imports of relayrl modules in one file, resolved to module names (`from a import b` is a.b when a.b is a
+    module), each with its line and kind."""
+    known = set(known)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    docstrings = _docstring_nodes(tree)
+    found: list[Import] = []
+
+    def add(target: str, line: int, kind: str, names: tuple[str, ...] = ()) -> None:
+        if target == package or target.startswith(package + "."):
+            while target not in known and "." in target:  # `import relayrl.x.y.attr`-like forms: the module
+                target = target.rsplit(".", 1)[0]
+            found.append(Import(module, target, line, kind, names))
+
+    def visit(node: ast.AST, in_function: bool, type_checking: bool) -> None:
+        kind = "type_checking" if type_checking else "function" if in_function else "module"
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno, kind)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = module.split(".") if is_package else module.split(".")[:-1]
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            plain = []
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    add(sub, node.lineno, kind)
+                else:
+                    plain.append(alias.name)
+            if plain:
+                add(base, node.lineno, kind, tuple(plain))
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(package + ".")
+            and node.value in known
+            and id(node) not in docstrings
+        ):
+            add(node.value, node.lineno, "dynamic")  # importlib.import_module("relayrl...."): a dynamic import
+        for child in ast.iter_child_nodes(node):
+            if isinstance(node, ast.If) and _is_type_checking(node.test) and child in node.body:
+                visit(child, in_function, True)
+            else:
+                visit(
+                    child,
+                    in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda),
+                    type_checking,
+                )
+
+    visit(tree, False, False)
+    return found
+
+
+def layer_of(module: str, package: str = PACKAGE) -> int | None:
+    """The layer rank of a relayrl module; None for the exempt package root and for an unclassified module."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return None
+    if parts[0] == "algorithms":
+        return CORE if len(parts) > 1 and parts[1] in MATH_MODULES else TRAINERS
+    return TOP_LEVEL.get(parts[0])
+
+
+def is_math(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) > 2 and parts[1] == "algorithms" and parts[2] in MATH_MODULES
+
+
+def scan(root: Path = ROOT, package: str = PACKAGE) -> list[Import]:
+    known = module_names(root, package)
+    return [
+        imp for module, path in known.items() if module != package for imp in imports_of(module, path, known, package)
+    ]
+
+
+def unclassified_modules(root: Path = ROOT, package: str = PACKAGE) -> list[str]:
+    return [m for m in module_names(root, package) if m != package and layer_of(m, package) is None]
+
+
+def layer_violations(imports: Iterable[Import]) -> list[Import]:
+    """Imports that run against the layer order, and math modules importing models / experience / environments."""
+    bad = []
+    for imp in imports:
+        src, dst = layer_of(imp.importer), layer_of(imp.imported)
+        if src is None or dst is None or imp.importer == imp.imported:
+            continue  # the exempt package root (unclassified modules are reported on their own)
+        upward = dst > src
+        math_rule = is_math(imp.importer) and (imp.imported.split(".")[1] in NOT_FOR_MATH or dst == TRAINERS)
+        if upward or math_rule:
+            bad.append(imp)
+    return sorted(set(bad), key=lambda i: (i.importer, i.line, i.imported))
+
+
+def private_imports(imports: Iterable[Import]) -> list[Import]:
+    """`from relayrl.x import _name` in another module than relayrl.x: reaching into a module's private names."""
+    return sorted(
+        {i for i in imports if i.importer != i.imported and any(n.startswith("_") for n in i.names)},
+        key=lambda i: (i.importer, i.line),
+    )
+
+
+def import_cycles(imports: Iterable[Import], deferred: bool = False) -> list[list[Import]]:
+    """One shortest cycle (as its edges) per strongly connected group of modules that import each other.
+
+    Edges: the imports that run when a module is imported (module level, outside `if TYPE_CHECKING:`); with
+    `deferred`, also function-level and dynamic ones (a cycle of modules that need each other, one side deferring
+    its import to dodge the import-time error). Module-level edges are preferred when reporting."""
+    kinds = ("module", "function", "dynamic") if deferred else ("module",)
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in sorted(imports, key=lambda i: (i.kind != "module", i.line)):
+        if imp.kind in kinds and imp.importer != imp.imported:
+            edges.setdefault(imp.importer, {}).setdefault(imp.imported, imp)
+    cycles = []
+    for component in _strongly_connected(edges):
+        if len(component) < 2:
+            continue
+        start = min(component)
+        cycles.append(_shortest_cycle(start, edges, component))
+    return sorted(cycles, key=lambda c: c[0].importer)
+
+
+def _strongly_connected(edges: dict[str, dict[str, Import]]) -> list[set[str]]:
+    """Tarjan's algorithm, iterative."""
+    nodes = sorted(set(edges) | {d for targets in edges.values() for d in targets})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, {}))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, {})))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    components.append(component)
+    return components
+
+
+def _shortest_cycle(start: str, edges: dict[str, dict[str, Import]], component: set[str]) -> list[Import]:
+    """Breadth-first from `start` back to itself inside its component."""
+    parent: dict[str, Import] = {}
+    queue = deque([start])
+    seen = {start}
+    while queue:
+        node = queue.popleft()
+        for child, imp in sorted(edges.get(node, {}).items()):
+            if child not in component:
+                continue
+            if child == start:
+                path = [imp]
+                while path[0].importer != start:
+                    path.insert(0, parent[path[0].importer])
+                return path
+            if child not in seen:
+                seen.add(child)
+                parent[child] = imp
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start}")  # unreachable for a component of two or more
+
+
+def report(title: str, lines: Iterable[str]) -> str:
+    body = "\n".join(f"  {line}" for line in lines)
+    print(f"{title}:\n{body}")
+    return f"{title}:\n{body}"
+
+
+# --------------------------------------------------------------------------------------------- the real tree
+
+
+def test_every_module_has_a_layer() -> None:
+    assert module_names(ROOT), f"no modules found under {ROOT}"
+    unclassified = unclassified_modules()
+    assert not unclassified, report("modules without a layer (add them to TOP_LEVEL)", unclassified)
+
+
+def test_imports_follow_the_layer_order() -> None:
+    bad = layer_violations(scan())
+    assert not bad, report("imports against the layer order (importer -> imported)", map(str, bad))
+
+
+def cycle_lines(cycles: list[list[Import]]) -> list[str]:
+    return [" ; ".join(f"{e}{'' if e.kind == 'module' else f' [{e.kind}]'}" for e in cycle) for cycle in cycles]
+
+
+def test_no_import_cycles() -> None:
+    """Module-level imports: a cycle here makes importing depend on which module is imported first."""
+    cycles = import_cycles(scan())
+    assert not cycles, report("import cycles (importer -> imported, around the cycle)", cycle_lines(cycles))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13: layering fixes in progress: relayrl.environments.registry -> "
+    "relayrl.environments.reward_model_registry (line 20, in a function) -> relayrl.environments.registry (line 11)",
+)
+def test_no_cycles_through_deferred_imports() -> None:
+    """Module-level plus function-level imports: modules that need each other, one of them importing late."""
+    cycles = import_cycles(scan(), deferred=True)
+    assert not cycles, report("dependency cycles (importer -> imported, around the cycle)", cycle_lines(cycles))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13: layering fixes in progress: relayrl.algorithms.ppo_sync -> relayrl.algorithms.grpo_sync "
+    "(line 34): _compute_seq_logprob_error_metrics",
+)
+def test_no_private_names_imported_across_modules() -> None:
+    bad = private_imports(scan())
+    lines = [f"{imp}: {', '.join(n for n in imp.names if n.startswith('_'))}" for imp in bad]
+    assert not bad, report("private names imported from another module (importer -> imported)", lines)
+
+
+# --------------------------------------------------------------------------------------------- the checker itself
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / PACKAGE
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(pkg).parents:
+            init = pkg / parent / "__init__.py"
+            if not init.exists():
+                init.write_text("")
+        path.write_text(text)
+    return pkg
+
+
+def test_checker_reports_upward_imports_math_imports_cycles_and_private_names(tmp_path: Path) -> None:
+    pkg = write_tree(
+        tmp_path,
+        {
+            "config.py": "import os\n",
+            "utils/a.py": "from relayrl.utils import b\n",  # a <-> b: a cycle within one layer
+            "utils/b.py": "import relayrl.utils.a\nfrom relayrl import config\n",
+            "utils/c.py": "def f():\n    from relayrl.cli.main import run  # upward, inside a function\n",
+            "cli/main.py": "from relayrl.algorithms.grpo import train\nfrom relayrl.algorithms import gae\n",
+            "algorithms/grpo.py": "from relayrl.algorithms.gae import gae\nfrom relayrl.algorithms.ppo import _private\n",
+            "algorithms/ppo.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from relayrl.algorithms import grpo\n",
+            "algorithms/setup.py": "def run():\n    from relayrl.algorithms.ppo_setup import run_ppo\n",
+            "algorithms/ppo_setup.py": "from relayrl.algorithms.setup import helper\n",
+            "algorithms/gae.py": "from relayrl.models.policy import worker\nfrom . import advantages\n",
+            "algorithms/advantages.py": "from ..distributed.batched_data_dict import B\n",
+            "models/policy/worker.py": "import importlib\nX = importlib.import_module('relayrl.experience.data')\n",
+            "experience/data.py": "from relayrl.models.policy.worker import W\nfrom relayrl.data_plane import memory\n",
+            "data_plane/memory.py": "from relayrl.experience import data  # upward\n",
+            "distributed/batched_data_dict.py": "from relayrl.config import X\n",
+        },
+    )
+    imports = scan(pkg)
+    assert unclassified_modules(pkg) == []
+    got = {str(i) for i in layer_violations(imports)}
+    assert got == {
+        "relayrl.utils.c -> relayrl.cli.main (line 2)",  # function-level imports count
+        "relayrl.algorithms.gae -> relayrl.models.policy.worker (line 1)",  # math must not import models
+        "relayrl.data_plane.memory -> relayrl.experience.data (line 1)",
+    }, got
+    by_edge = {str(i): i.kind for i in imports}
+    assert by_edge["relayrl.algorithms.advantages -> relayrl.distributed.batched_data_dict (line 1)"] == "module"
+    assert by_edge["relayrl.models.policy.worker -> relayrl.experience.data (line 2)"] == "dynamic"
+    assert by_edge["relayrl.algorithms.ppo -> relayrl.algorithms.grpo (line 3)"] == "type_checking"
+    # import time: worker -> data is dynamic, setup -> ppo_setup deferred and ppo -> grpo type-only, so only two
+    assert cycle_lines(import_cycles(imports)) == [
+        "relayrl.data_plane.memory -> relayrl.experience.data (line 1) ; "
+        "relayrl.experience.data -> relayrl.data_plane.memory (line 2)",
+        "relayrl.utils.a -> relayrl.utils.b (line 1) ; relayrl.utils.b -> relayrl.utils.a (line 1)",
+    ]
+    # with deferred imports: setup <-> ppo_setup, and worker -> data -> worker joins the data/memory cycle
+    assert cycle_lines(import_cycles(imports, deferred=True)) == [
+        "relayrl.algorithms.ppo_setup -> relayrl.algorithms.setup (line 1) ; "
+        "relayrl.algorithms.setup -> relayrl.algorithms.ppo_setup (line 2) [function]",
+        "relayrl.data_plane.memory -> relayrl.experience.data (line 1) ; "
+        "relayrl.experience.data -> relayrl.data_plane.memory (line 2)",
+        "relayrl.utils.a -> relayrl.utils.b (line 1) ; relayrl.utils.b -> relayrl.utils.a (line 1)",
+    ]
+    assert [str(i) for i in private_imports(imports)] == ["relayrl.algorithms.grpo -> relayrl.algorithms.ppo (line 2)"]
+    # an unclassified top-level package is reported, not silently accepted
+    write_tree(tmp_path, {"newpkg/x.py": ""})
+    assert unclassified_modules(pkg) == ["relayrl.newpkg", "relayrl.newpkg.x"]
+
+
+@pytest.mark.parametrize(
+    ("module", "layer"),
+    [
+        ("relayrl.cli.main", CLI),
+        ("relayrl.algorithms.grpo", TRAINERS),
+        ("relayrl.algorithms.setup", TRAINERS),
+        ("relayrl.algorithms", TRAINERS),
+        ("relayrl.algorithms.gae", CORE),
+        ("relayrl.algorithms.kl", CORE),
+        ("relayrl.models.policy.worker", CORE),
+        ("relayrl.environments.math_env", CORE),
+        ("relayrl.data_plane.memory", INFRA),
+        ("relayrl.distributed.refit", INFRA),
+        ("relayrl.utils.device", UTILS),
+        ("relayrl.config", CONFIG),
+        ("relayrl", None),
+    ],
+)
+def test_layer_of(module: str, layer: int | None) -> None:
+    assert layer_of(module) == layer
