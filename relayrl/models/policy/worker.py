@@ -330,7 +330,7 @@ class PolicyWorker(ModelWorker):
         self.offload_to_cpu()
 
     # ------------------------------------------------------------------ refit to separate generation workers
-    def prepare_refit_info(self) -> dict[str, Any]:
+    def prepare_refit_info(self) -> refit.RefitInfo:
         dtype = dev.precision_dtype(self.cfg.precision)  # streamed tensors are cast to the policy precision
         return {name: (tuple(t.shape), dtype) for name, t in self.model.state_dict().items()}
 
