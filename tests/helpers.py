@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +117,89 @@ def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def metrics_by_step(run_dir: Path, prefixes: tuple[str, ...] = ("train/", "critic/", "validation/")) -> dict[int, dict]:
-    """The last logged value of every metric under `prefixes` per step (a killed and resumed run may log a step twice;
-    rates per second, which depend on the machine, are left out)."""
+def metrics_by_step(
+    run_dir: Path,
+    prefixes: tuple[str, ...] = ("train/", "critic/", "validation/"),
+    skip: tuple[str, ...] = ("per_sec",),
+) -> dict[int, dict]:
+    """The last logged value of every metric under `prefixes` per step (a killed and resumed run may log a step twice),
+    leaving out names that contain any of `skip` (rates per second depend on the machine)."""
     out: dict[int, dict] = {}
     for row in metrics_rows(run_dir):
-        keep = {k: v for k, v in row.items() if k.startswith(prefixes) and "per_sec" not in k}
+        keep = {k: v for k, v in row.items() if k.startswith(prefixes) and not any(x in k for x in skip)}
         if keep:
             out.setdefault(int(row["step"]), {}).update(keep)
     return out
+
+
+def tiny_grpo_overrides(model_dir: Path, *extra: str) -> list[str]:
+    """Dotted overrides of the small GRPO run the integration tests share: the random 2-layer test model, 4 prompts x
+    4 generations of up to 8 new tokens, two micro-batches of 8, validation on 8 problems every 2 steps. `extra`
+    comes last, so it overrides any of these."""
+    return [
+        f"policy.model_name={model_dir}",
+        "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=8",
+        "policy.generation.max_new_tokens=8",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.val_period=2",
+        "grpo.max_val_samples=8",
+        "grpo.val_batch_size=8",
+        "logger.progress_bar=false",
+        *extra,
+    ]
+
+
+def tiny_ppo_overrides(model_dir: Path, *extra: str) -> list[str]:
+    """Dotted overrides of the small PPO run the integration tests share: policy and critic from the random test
+    model, 4 prompts x 2 generations, 2 PPO epochs, the actor trained from step 1, validation on 8 problems every 2
+    steps. `extra` comes last, so it overrides any of these."""
+    return [
+        "algorithm=ppo",
+        f"policy.model_name={model_dir}",
+        f"value.model_name={model_dir}",
+        "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4",
+        "value.train_global_batch_size=8",
+        "value.train_micro_batch_size=4",
+        "policy.generation.max_new_tokens=8",
+        "policy.optimizer.kwargs.lr=1e-3",
+        "loss_fn.reference_policy_kl_penalty=0.01",
+        "ppo.num_prompts_per_step=4",
+        "ppo.num_generations_per_prompt=2",
+        "ppo.ppo_epochs=2",
+        "ppo.policy_training_start_step=1",
+        "ppo.val_period=2",
+        "ppo.max_val_samples=8",
+        "ppo.val_batch_size=8",
+        "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false",
+        *extra,
+    ]
+
+
+#: What a run that is compared to another one, or resumed, adds: deterministic kernels, one thread, a real lr.
+EXACT_RUN = (
+    "policy.optimizer.kwargs.lr=1e-3",
+    "logger.tensorboard_enabled=false",
+    "cluster.deterministic=true",
+    "cluster.torch_num_threads=1",
+)
+
+
+def sigkill_after_checkpoint(argv: list[str], checkpoint: Path, timeout_s: float = 300) -> None:
+    """Run `python argv...` until `checkpoint` (a step_N directory) exists, then SIGKILL it."""
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + timeout_s
+    while not checkpoint.is_dir():
+        assert proc.poll() is None, "training process ended before its first checkpoint"
+        assert time.time() < deadline, f"no checkpoint within {timeout_s:.0f} s"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)

@@ -13,6 +13,7 @@ import pytest
 
 from relayrl.cli.main import main
 from relayrl.utils.checkpoint import DATALOADER_STATE, MANIFEST, RNG_STATE, verify_checkpoint, write_manifest
+from tests.helpers import EXACT_RUN, metrics_by_step, tiny_grpo_overrides
 
 STEPS = 3
 
@@ -30,40 +31,23 @@ class _RunsCode:
 
 
 def _overrides(model_dir: Path, steps: int = STEPS) -> list[str]:
-    return [
-        f"policy.model_name={model_dir}",
-        "policy.train_global_batch_size=8",
-        "policy.train_micro_batch_size=8",
-        "policy.generation.max_new_tokens=8",
-        "policy.optimizer.kwargs.lr=1e-3",
+    return tiny_grpo_overrides(
+        model_dir,
+        *EXACT_RUN,
+        "policy.train_global_batch_size=8",  # 2 prompts x 4 generations, one micro-batch
         "grpo.num_prompts_per_step=2",
-        "grpo.num_generations_per_prompt=4",
         f"grpo.max_num_steps={steps}",
         "grpo.val_at_start=false",
         "grpo.val_at_end=false",
         "grpo.val_period=0",
         "checkpointing.save_period=1",
         "checkpointing.keep_top_k=null",
-        "logger.progress_bar=false",
-        "logger.tensorboard_enabled=false",
-        "cluster.deterministic=true",
-        "cluster.torch_num_threads=1",
-    ]
+    )
 
 
 def _train_metrics(run_dir: Path) -> dict[int, dict]:
     """Last logged train metrics per step (a resumed run logs a step again after the one it resumed from)."""
-    out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        keep = {
-            k: v
-            for k, v in row.items()
-            if k.startswith("train/") and not any(x in k for x in ("per_sec", "bytes", "fraction"))
-        }
-        if keep:
-            out.setdefault(row["step"], {}).update(keep)
-    return out
+    return metrics_by_step(run_dir, ("train/",), skip=("per_sec", "bytes", "fraction"))
 
 
 @pytest.fixture(scope="module")

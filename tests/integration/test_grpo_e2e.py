@@ -10,25 +10,13 @@ from pathlib import Path
 import pytest
 
 from relayrl.cli.main import main
-from tests.helpers import metrics_rows
+from tests.helpers import metrics_rows, tiny_grpo_overrides
 
 
 def _tiny_overrides(model_dir: Path, steps: int) -> list[str]:
-    return [
-        f"policy.model_name={model_dir}",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "policy.generation.max_new_tokens=8",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        f"grpo.max_num_steps={steps}",
-        "grpo.val_period=2",
-        "grpo.max_val_samples=8",
-        "grpo.val_batch_size=8",
-        "checkpointing.save_period=2",
-        "logger.progress_bar=false",
-        "cluster.deterministic=true",
-    ]
+    return tiny_grpo_overrides(
+        model_dir, f"grpo.max_num_steps={steps}", "checkpointing.save_period=2", "cluster.deterministic=true"
+    )
 
 
 @pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])

@@ -4,7 +4,6 @@ an uninterrupted one."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,31 +23,20 @@ from relayrl.config import EnvConfig
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from relayrl.environments.registry import ENV_REGISTRY, create_env
 from relayrl.utils.config_io import load_config
+from tests.helpers import EXACT_RUN, metrics_by_step, tiny_grpo_overrides
 
 ROWS = 16  # 4 prompts x 4 generations
 NAN_STEP = 2
 
 
 def _overrides(model_dir: Path, steps: int) -> list[str]:
-    return [
-        f"policy.model_name={model_dir}",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "policy.generation.max_new_tokens=8",
-        "policy.optimizer.kwargs.lr=1e-3",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
+    return tiny_grpo_overrides(
+        model_dir,
+        *EXACT_RUN,
         f"grpo.max_num_steps={steps}",
-        "grpo.val_period=2",
         "grpo.val_at_start=false",
-        "grpo.max_val_samples=8",
-        "grpo.val_batch_size=8",
         "checkpointing.save_period=1",
-        "logger.progress_bar=false",
-        "logger.tensorboard_enabled=false",
-        "cluster.deterministic=true",
-        "cluster.torch_num_threads=1",
-    ]
+    )
 
 
 class NanOnceEnv(EnvironmentInterface):
@@ -76,17 +64,7 @@ def nan_env() -> Iterator[str]:
 
 
 def _metrics(run_dir: Path, prefix: tuple[str, ...] = ("train/", "validation/")) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        keep = {
-            k: v
-            for k, v in row.items()
-            if k.startswith(prefix) and not any(x in k for x in ("per_sec", "bytes", "fraction"))
-        }
-        if keep:
-            out.setdefault(row["step"], {}).update(keep)
-    return out
+    return metrics_by_step(run_dir, prefix, skip=("per_sec", "bytes", "fraction"))
 
 
 @pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])

@@ -11,6 +11,7 @@ import torch
 from relayrl.cli.main import main
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from relayrl.environments.registry import ENV_REGISTRY, register_env
+from tests.helpers import tiny_grpo_overrides, tiny_ppo_overrides
 
 
 class ParityEnv(EnvironmentInterface):
@@ -40,21 +41,12 @@ def _parity_env():
 
 
 def _overrides(model_dir: Path) -> list[str]:
-    return [
-        f"policy.model_name={model_dir}",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "policy.generation.max_new_tokens=8",
+    return tiny_grpo_overrides(
+        model_dir,
         "policy.optimizer.kwargs.lr=1e-3",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        "grpo.val_period=2",
-        "grpo.max_val_samples=8",
-        "grpo.val_batch_size=8",
         "data.train.default_task=parity_test",
-        "logger.progress_bar=false",
         "logger.tensorboard_enabled=false",
-    ]
+    )
 
 
 @pytest.mark.parametrize("dynamic_sampling", [False, True], ids=["ds_off", "ds_on"])
@@ -79,32 +71,14 @@ def test_parity_detects_a_difference(tmp_path):
 
 
 def _ppo_overrides(model_dir: Path) -> list[str]:
-    return [
-        "algorithm=ppo",
-        f"policy.model_name={model_dir}",
-        f"value.model_name={model_dir}",
-        "policy.train_global_batch_size=8",
-        "policy.train_micro_batch_size=4",
-        "value.train_global_batch_size=8",
-        "value.train_micro_batch_size=4",
-        "policy.generation.max_new_tokens=8",
-        "policy.optimizer.kwargs.lr=1e-3",
+    return tiny_ppo_overrides(
+        model_dir,
         "value.optimizer.kwargs.lr=1e-3",
         "value_loss_fn.value_clip=0.2",
-        "loss_fn.reference_policy_kl_penalty=0.01",
         "loss_fn.use_kl_in_reward=true",
-        "ppo.num_prompts_per_step=4",
-        "ppo.num_generations_per_prompt=2",
-        "ppo.ppo_epochs=2",
-        "ppo.policy_training_start_step=1",
-        "ppo.val_period=2",
-        "ppo.max_val_samples=8",
-        "ppo.val_batch_size=8",
         "data.train.default_task=parity_test",
         "checkpointing.enabled=false",
-        "logger.progress_bar=false",
-        "logger.tensorboard_enabled=false",
-    ]
+    )
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["dp1_exact", "dp2_sharded_gae"])

@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +13,7 @@ import torch
 
 from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
-from tests.helpers import metrics_by_step, metrics_rows
+from tests.helpers import metrics_by_step, metrics_rows, sigkill_after_checkpoint, tiny_ppo_overrides
 
 STEPS = 3
 _RUN_PPO = (
@@ -28,32 +23,14 @@ _RUN_PPO = (
 
 
 def _ppo_overrides(model_dir: Path) -> list[str]:
-    return [
-        "algorithm=ppo",
-        f"policy.model_name={model_dir}",
-        f"value.model_name={model_dir}",
-        "policy.train_global_batch_size=8",
-        "policy.train_micro_batch_size=4",
-        "value.train_global_batch_size=8",
-        "value.train_micro_batch_size=4",
-        "policy.generation.max_new_tokens=8",
-        "policy.optimizer.kwargs.lr=1e-3",
-        "loss_fn.reference_policy_kl_penalty=0.01",
-        "ppo.num_prompts_per_step=4",
-        "ppo.num_generations_per_prompt=2",
+    return tiny_ppo_overrides(
+        model_dir,
         f"ppo.max_num_steps={STEPS}",
-        "ppo.ppo_epochs=2",
-        "ppo.policy_training_start_step=1",
-        "ppo.val_period=2",
         "ppo.val_at_start=true",
-        "ppo.max_val_samples=8",
-        "ppo.val_batch_size=8",
         "checkpointing.save_period=2",
-        "logger.progress_bar=false",
-        "logger.tensorboard_enabled=false",
         "cluster.deterministic=true",
         "cluster.torch_num_threads=1",
-    ]
+    )
 
 
 @pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
@@ -88,19 +65,7 @@ def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, 
     assert json.loads((ref_dir / "checkpoints" / "step_3" / "training_info.json").read_text())["total_steps"] == 3
 
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _RUN_PPO, str(run_dir), *overrides],
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while not (run_dir / "checkpoints" / "step_2").is_dir():
-        assert proc.poll() is None, "training process ended before its first checkpoint"
-        assert time.time() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    sigkill_after_checkpoint(["-c", _RUN_PPO, str(run_dir), *overrides], run_dir / "checkpoints" / "step_2")
     assert not (run_dir / "checkpoints" / f"step_{STEPS}").exists()
 
     run_training(load_config(None, overrides), run_dir)
