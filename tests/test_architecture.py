@@ -332,22 +332,12 @@ def test_no_import_cycles() -> None:
     assert not cycles, report("import cycles (importer -> imported, around the cycle)", cycle_lines(cycles))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: layering fixes in progress: relayrl.environments.registry -> "
-    "relayrl.environments.reward_model_registry (line 20, in a function) -> relayrl.environments.registry (line 11)",
-)
 def test_no_cycles_through_deferred_imports() -> None:
     """Module-level plus function-level imports: modules that need each other, one of them importing late."""
     cycles = import_cycles(scan(), deferred=True)
     assert not cycles, report("dependency cycles (importer -> imported, around the cycle)", cycle_lines(cycles))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: layering fixes in progress: relayrl.algorithms.ppo_sync -> relayrl.algorithms.grpo_sync "
-    "(line 34): _compute_seq_logprob_error_metrics",
-)
 def test_no_private_names_imported_across_modules() -> None:
     bad = private_imports(scan())
     lines = [f"{imp}: {', '.join(n for n in imp.names if n.startswith('_'))}" for imp in bad]

@@ -25,7 +25,6 @@ from relayrl.algorithms.advantages import (
     row_advantage_metrics,
 )
 from relayrl.algorithms.interfaces import LossFunction
-from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
 from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
@@ -37,6 +36,7 @@ from relayrl.algorithms.trainer_common import (
     resolve_logprob_skip_flags,
     rollout_carry_keys,
     step_metrics,
+    worker_seq_logprob_error_metrics,
 )
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
 from relayrl.algorithms.validation import Envs, validate_sync, validation_runner
@@ -413,7 +413,4 @@ def _compute_seq_logprob_error_metrics(
     seq_logprob_error_threshold: float | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Same metrics and threshold masking as the legacy trainer, from per-row errors reduced on the workers."""
-    per_row = policy.seq_logprob_error_from_meta(meta)  # {seq_logprob_error [B], num_loss_tokens [B]}
-    return seq_logprob_error_metrics_from_rows(
-        per_row["seq_logprob_error"], per_row["num_loss_tokens"], sample_mask, rewards, seq_logprob_error_threshold
-    )
+    return worker_seq_logprob_error_metrics(policy, meta, sample_mask, rewards, seq_logprob_error_threshold)

@@ -31,7 +31,6 @@ from relayrl.algorithms.gae import (
     build_ppo_advantage_estimator,
     require_valid_tokens,
 )
-from relayrl.algorithms.grpo_sync import _compute_seq_logprob_error_metrics
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.protocols import (
     BatchLoader,
@@ -51,6 +50,7 @@ from relayrl.algorithms.trainer_common import (
     ppo_epochs,
     ppo_step_metrics,
     rollout_carry_keys,
+    worker_seq_logprob_error_metrics,
 )
 from relayrl.algorithms.validation import Envs, validate_sync, validation_runner
 from relayrl.config import MasterConfig
@@ -162,12 +162,8 @@ class PPOSyncSteps:
             policy.get_logprobs_from_meta(meta, timer=timer)
             if not self.skip_ref:
                 policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
-        new_mask, seq_err_metrics = _compute_seq_logprob_error_metrics(
-            policy=policy,
-            meta=meta,
-            sample_mask=sample_mask,
-            rewards=rewards,
-            seq_logprob_error_threshold=p.seq_logprob_error_threshold,
+        new_mask, seq_err_metrics = worker_seq_logprob_error_metrics(
+            policy, meta, sample_mask, rewards, p.seq_logprob_error_threshold
         )
         with timer.time("advantage_calculation"):  # GAE on the critic's workers, written back as columns
             require_valid_tokens(carry["loss_token_counts"] * (new_mask != 0))  # [B] loss tokens per row

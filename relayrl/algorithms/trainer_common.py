@@ -14,9 +14,11 @@ from typing import Any, Protocol
 
 import torch
 
-from relayrl.algorithms.protocols import Checkpointable
+from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
+from relayrl.algorithms.protocols import Checkpointable, DataPlanePolicy
 from relayrl.algorithms.utils import aggregate_train_metrics, mean_over_epochs, policy_train_metrics
 from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOConfig
+from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import MessageLog
 from relayrl.utils.timer import Timer
@@ -54,6 +56,21 @@ def guard_finite(name: str, values: torch.Tensor | list[float], step: int) -> No
     """A quantity the step computed from finite rewards must be finite: stop, naming it and the step."""
     if not bool(torch.isfinite(torch.as_tensor(values)).all()):
         raise NonFiniteError(f"non-finite {name} at step {step}; stopped before any weight changed")
+
+
+def worker_seq_logprob_error_metrics(
+    policy: DataPlanePolicy,
+    meta: KVBatchMeta,
+    sample_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    threshold: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The legacy trainers' logprob-error metrics and threshold masking, from per-row errors the data-plane workers
+    reduced next to the rows (only [B] values reach the driver)."""
+    per_row = policy.seq_logprob_error_from_meta(meta)  # {seq_logprob_error [B], num_loss_tokens [B]}
+    return seq_logprob_error_metrics_from_rows(
+        per_row["seq_logprob_error"], per_row["num_loss_tokens"], sample_mask, rewards, threshold
+    )
 
 
 def guard_update(result: dict[str, Any], step: int) -> None:

@@ -17,9 +17,14 @@ def _make_math(cfg: EnvConfig) -> EnvironmentInterface:
 
 
 def _make_reward_model(cfg: EnvConfig) -> EnvironmentInterface:
-    from relayrl.environments.reward_model_registry import make_reward_model_env  # torch-heavy; load on use
+    """A learned reward (`env.reward_model`) by task name, beside the verifiers; the classifier code loads on use."""
+    if cfg.reward_model is None:
+        raise ValueError(
+            "task 'reward_model' needs env.reward_model.model_dir (a sequence-classification model directory)"
+        )
+    from relayrl.environments.reward_model_env import RewardModelEnvironment  # torch-heavy; load on use
 
-    return make_reward_model_env(cfg)
+    return RewardModelEnvironment.from_config(cfg.reward_model)
 
 
 ENV_REGISTRY: dict[str, EnvFactory] = {"math": _make_math, "reward_model": _make_reward_model}

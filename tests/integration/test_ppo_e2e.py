@@ -126,9 +126,7 @@ def test_grpo_trains_against_a_learned_reward(tmp_path, tiny_model_dir, tiny_rew
     from relayrl.algorithms.setup import run_training
     from relayrl.config import RewardModelEnvConfig
     from relayrl.environments.reward_model_env import RewardModelEnvironment
-    from relayrl.environments.reward_model_registry import ensure_reward_model_env_registered
 
-    ensure_reward_model_env_registered()  # until relayrl.environments.registry lists it itself
     overrides = [
         f"policy.model_name={tiny_model_dir}",
         "policy.train_global_batch_size=8",
