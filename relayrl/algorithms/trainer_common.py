@@ -74,11 +74,12 @@ def worker_seq_logprob_error_metrics(
 
 
 def guard_update(result: dict[str, Any], step: int) -> None:
-    """The loss and gradient norm of an update must be finite; else stop before the step is checkpointed."""
+    """The loss and gradient norm of an update must be finite. A non-finite gradient norm made the workers skip the
+    optimizer step, so the weights are those before the offending update; stop before anything is checkpointed."""
     for name in ("loss", "grad_norm"):
         value = result.get(name)
         if value is not None and not bool(torch.isfinite(torch.as_tensor(value)).all()):
-            raise NonFiniteError(f"non-finite {name} at step {step}; stopped before any checkpoint of it was written")
+            raise NonFiniteError(f"non-finite {name} at step {step}; stopped before the offending update")
 
 
 def on_policy_single_step(cfg: MasterConfig) -> bool:

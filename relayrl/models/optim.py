@@ -27,12 +27,13 @@ def all_reduce_clip_and_step(
 
     Losses are partial sums of the global-batch mean on every rank, so *summing* gradients (not averaging) gives the
     gradient of the global mean. Under DDP / FSDP2 (`dp`) backward already summed them; FSDP2's norm is taken over
-    the shards. Returns the pre-clip global L2 norm (CPU scalar).
+    the shards. Returns the pre-clip global L2 norm (CPU scalar); when it is not finite no step is taken.
     """
     max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
     if dp is not None and dp.reduces_in_backward:
         grad_norm = dp.global_grad_norm_and_clip(max_norm)
-        optimizer.step()
+        if _finite(grad_norm):
+            optimizer.step()
         dp.after_step()
         return grad_norm
     if comm.world_size > 1:
@@ -47,8 +48,15 @@ def all_reduce_clip_and_step(
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach().cpu()
-    optimizer.step()
+    if _finite(grad_norm):
+        optimizer.step()
     return grad_norm
+
+
+def _finite(grad_norm: torch.Tensor) -> bool:
+    """A NaN or infinite global gradient norm (the same on every rank) skips the step: the weights and the Adam
+    moments stay as they were, and the trainer, seeing the norm, stops the run before anything is checkpointed."""
+    return bool(torch.isfinite(grad_norm).all())
 
 
 def record_microbatch_metrics(

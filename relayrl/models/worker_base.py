@@ -39,6 +39,7 @@ from relayrl.models.optim import (
     train_global_batches,
 )
 from relayrl.utils import device as dev
+from relayrl.utils.checkpoint import assert_finite_state
 
 #: transformers' loading patches process-wide state (meta-device init), so in-process workers load one at a time.
 LOAD_LOCK = threading.Lock()
@@ -336,6 +337,7 @@ class ModelWorker:
             )
         if self.rank != 0:
             return
+        assert_finite_state(self.model.state_dict(), f"{self.owner} weights")  # no checkpoint ever holds NaN weights
         self._save_weights(weights_path)
         if tokenizer_path is not None:
             if self.tokenizer is None:
