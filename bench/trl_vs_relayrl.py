@@ -49,16 +49,8 @@ def build_model_dir(path: Path) -> int:
     from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_parameters, save_tiny_model
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=4,
-        intermediate_size=512,
-        tie_word_embeddings=True,
-        seed=SEED,
-    )
+    # build_tiny_qwen2's defaults (hidden 128, 4 heads, 4 KV heads, MLP 512, tied embeddings), 2 layers
+    model = build_tiny_qwen2(len(tokenizer), num_layers=2, seed=SEED)
     save_tiny_model(path, model, tokenizer)
     return count_parameters(model)
 

@@ -25,20 +25,13 @@ def char_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> Path:
-    """A random 2-layer Qwen2 + tokenizer saved as a Hugging Face directory (loaded via from_pretrained)."""
-    from relayrl.models.tiny import build_tiny_qwen2, save_tiny_model
+    """A random 2-layer Qwen2 + tokenizer saved as a Hugging Face directory (loaded via from_pretrained); the model is
+    tests.helpers.build_test_model's."""
+    from relayrl.models.tiny import save_tiny_model
+    from tests.helpers import build_test_model
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    model = build_tiny_qwen2(
-        vocab_size=len(char_tokenizer),
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        seed=0,
-    )
-    save_tiny_model(path, model, char_tokenizer)
+    save_tiny_model(path, build_test_model(char_tokenizer), char_tokenizer)
     return path
 
 

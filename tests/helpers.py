@@ -90,16 +90,23 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def ragged_batch(
-    vocab: int, seed: int, lengths: torch.Tensor, sample_mask: torch.Tensor, *, seq_len: int, returns: bool = False
+    vocab: int,
+    seed: int,
+    lengths: torch.Tensor,
+    sample_mask: torch.Tensor,
+    *,
+    seq_len: int,
+    returns: bool = False,
+    prompt_len: int = 3,
 ) -> BatchedDataDict:
-    """A right-padded policy-training batch of random tokens: the first 3 positions are a "prompt" the loss ignores,
-    one advantage per row (and per-token `returns` for a critic when asked), drawn from `seed`."""
+    """A right-padded policy-training batch of random tokens: the first `prompt_len` positions are a "prompt" the
+    loss ignores, one advantage per row (and per-token `returns` for a critic when asked), drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
     rows = len(lengths)
     ids = torch.randint(2, vocab, (rows, seq_len), generator=g)  # [B, S]
     real = torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, S]
     token_mask = real.float()
-    token_mask[:, :3] = 0.0
+    token_mask[:, :prompt_len] = 0.0
     batch = BatchedDataDict(
         input_ids=ids.masked_fill(~real, 0),
         input_lengths=lengths.clone(),
@@ -203,3 +210,87 @@ def sigkill_after_checkpoint(argv: list[str], checkpoint: Path, timeout_s: float
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+#: The random test model behind tests/conftest.py's `tiny_model_dir`: 2 layers, hidden 64, 4 heads, 2 KV heads.
+TEST_MODEL: dict[str, int] = dict(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=0
+)
+
+
+def build_test_model(tokenizer: Any) -> torch.nn.Module:
+    """A fresh copy of the random test model (the same weights every call) for `tokenizer`'s vocabulary."""
+    from relayrl.models.tiny import build_tiny_qwen2
+
+    return build_tiny_qwen2(len(tokenizer), **TEST_MODEL)
+
+
+def save_test_reward_model(
+    path: Path,
+    tokenizer: Any,
+    *,
+    seed: int,
+    score_std: float | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    intermediate_size: int = 128,
+) -> Path:
+    """A random one-label Qwen2 sequence classifier (4 heads, 2 KV heads, pad id 0) with `tokenizer`, saved as a
+    Hugging Face directory; `score_std` redraws the score head's weights with that spread (wider scores)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=intermediate_size,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    if score_std is not None:
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, score_std)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def small_policy_config(model_dir: Path, **keys: Any) -> Any:
+    """A PolicyConfig for `model_dir` with global batches of 4 in micro-batches of 2 and lr 1e-2; `keys` replace or
+    add top-level fields (dicts for nested blocks)."""
+    from relayrl.config import PolicyConfig
+
+    base: dict[str, Any] = dict(
+        model_name=str(model_dir),
+        train_global_batch_size=4,
+        train_micro_batch_size=2,
+        optimizer={"kwargs": {"lr": 1e-2}},
+    )
+    return PolicyConfig.model_validate({**base, **keys})
+
+
+def with_rl_keys(policy: Any, data: BatchedDataDict) -> BatchedDataDict:
+    """A copy of `data` with the keys ClippedPGLossFn reads, computed by `policy` itself (sharded across its ranks):
+    prev and reference logprobs, and generation logprobs with a little off-policy noise."""
+    lp = policy.get_logprobs(data)["logprobs"]
+    data = data.copy()
+    data["prev_logprobs"] = lp
+    data["generation_logprobs"] = lp + 0.01 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
+    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    return data
+
+
+def train_on_policy(policy: Any, data: BatchedDataDict) -> None:
+    """One train() call on `data` as if `policy` had just sampled it: generation and reference logprobs equal the
+    policy's own, no KL penalty."""
+    from relayrl.algorithms.loss_functions import ClippedPGLossFn
+    from relayrl.config import ClippedPGLossConfig
+
+    data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
+    data["generation_logprobs"] = data["prev_logprobs"].clone()
+    data["reference_policy_logprobs"] = data["prev_logprobs"].clone()
+    policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))

@@ -25,7 +25,14 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import PolicyWorker
 from relayrl.models.value.lm_value import Value
-from tests.helpers import f32_tol, grad_norm_tol, max_abs_diff, ragged_batch, trained_weight_tol
+from tests.helpers import (
+    f32_tol,
+    grad_norm_tol,
+    max_abs_diff,
+    ragged_batch,
+    small_policy_config,
+    trained_weight_tol,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -53,20 +60,16 @@ def make_batch(vocab: int, seed: int) -> BatchedDataDict:
 
 
 def policy_config(model_dir: Path, strategy: str) -> PolicyConfig:
-    return PolicyConfig.model_validate(
-        dict(
-            model_name=str(model_dir),
-            train_global_batch_size=4,
-            train_micro_batch_size=2,
-            max_grad_norm=MAX_GRAD_NORM,  # small enough that clipping is active
-            # FSDP2 trains through HF's forward (sharded weights rule out the packed fast path): float32 rounding
-            # differs slightly, and AdamW turns it into weight differences proportional to lr / eps.
-            optimizer={"kwargs": {"lr": 2e-3, "eps": ADAM_EPS, "betas": BETAS}},
-            data_parallel={"strategy": strategy},
-            # PyTorch ops on the one-worker side too, so its rounding stays that close to HF's (the compiled
-            # RMSNorm/RoPE agree with them to float32 rounding, tested in fast/test_kernels.py, but not bitwise).
-            native_cpu_ops=False,
-        )
+    return small_policy_config(
+        model_dir,
+        max_grad_norm=MAX_GRAD_NORM,  # small enough that clipping is active
+        # FSDP2 trains through HF's forward (sharded weights rule out the packed fast path): float32 rounding
+        # differs slightly, and AdamW turns it into weight differences proportional to lr / eps.
+        optimizer={"kwargs": {"lr": 2e-3, "eps": ADAM_EPS, "betas": BETAS}},
+        data_parallel={"strategy": strategy},
+        # PyTorch ops on the one-worker side too, so its rounding stays that close to HF's (the compiled
+        # RMSNorm/RoPE agree with them to float32 rounding, tested in fast/test_kernels.py, but not bitwise).
+        native_cpu_ops=False,
     )
 
 

@@ -19,7 +19,7 @@ from relayrl.models.generation.distributed import DistributedGeneration
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import load_causal_lm
-from tests.helpers import f32_tol
+from tests.helpers import f32_tol, ragged_batch, small_policy_config, train_on_policy
 
 ray = pytest.importorskip("ray")
 
@@ -36,35 +36,12 @@ class _Source:
 
 
 def config(model_dir: Path, colocated: dict[str, Any]) -> PolicyConfig:
-    return PolicyConfig.model_validate(
-        dict(
-            model_name=str(model_dir),
-            train_global_batch_size=4,
-            train_micro_batch_size=2,
-            optimizer={"kwargs": {"lr": 1e-2}},
-            generation={"max_new_tokens": 8, "colocated": colocated},
-        )
-    )
+    return small_policy_config(model_dir, generation={"max_new_tokens": 8, "colocated": colocated})
 
 
 def train_once(policy: Policy, vocab: int) -> None:
-    g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([9, 5, 7, 3])
-    real = torch.arange(9)[None] < lengths[:, None]
-    data = BatchedDataDict(
-        input_ids=torch.randint(2, vocab, (4, 9), generator=g).masked_fill(~real, 0),  # [B, S]
-        input_lengths=lengths,
-        token_mask=real.float(),
-        sample_mask=torch.ones(4),
-        advantages=torch.randn(4, 1, generator=g).expand(4, 9).clone(),
-    )
-    from relayrl.algorithms.loss_functions import ClippedPGLossFn
-    from relayrl.config import ClippedPGLossConfig
-
-    data["prev_logprobs"] = policy.get_logprobs(data)["logprobs"]
-    data["generation_logprobs"] = data["prev_logprobs"].clone()
-    data["reference_policy_logprobs"] = data["prev_logprobs"].clone()
-    policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
+    train_on_policy(policy, ragged_batch(vocab, 0, lengths, torch.ones(4), seq_len=9, prompt_len=0))
 
 
 def prompts(tokenizer: Any) -> BatchedDataDict:

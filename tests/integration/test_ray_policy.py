@@ -23,7 +23,15 @@ from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import PolicyWorker, load_causal_lm
-from tests.helpers import f32_tol, grad_norm_tol, max_abs_diff, ragged_batch, trained_weight_tol
+from tests.helpers import (
+    f32_tol,
+    grad_norm_tol,
+    max_abs_diff,
+    ragged_batch,
+    small_policy_config,
+    trained_weight_tol,
+    with_rl_keys,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -41,29 +49,16 @@ GRAD_TOL = f32_tol(MAX_GRAD_NORM, N_TOKENS)
 
 
 def make_config(model_dir: Path) -> PolicyConfig:
-    return PolicyConfig.model_validate(
-        dict(
-            model_name=str(model_dir),
-            train_global_batch_size=GBS,
-            train_micro_batch_size=2,
-            max_grad_norm=MAX_GRAD_NORM,
-            optimizer={"kwargs": {"lr": 1e-2, "eps": ADAM_EPS}},
-        )
+    return small_policy_config(
+        model_dir,
+        train_global_batch_size=GBS,
+        max_grad_norm=MAX_GRAD_NORM,
+        optimizer={"kwargs": {"lr": 1e-2, "eps": ADAM_EPS}},
     )
 
 
 def make_batch(vocab: int, seed: int = 0) -> BatchedDataDict:
     return ragged_batch(vocab, seed, LENGTHS, SAMPLE_MASK, seq_len=S)
-
-
-def rl_batch(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
-    """Add the keys ClippedPGLossFn reads, computed by the policy itself (sharded across its ranks)."""
-    lp = policy.get_logprobs(data)["logprobs"]
-    data = data.copy()
-    data["prev_logprobs"] = lp
-    data["generation_logprobs"] = lp + 0.01 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
-    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
-    return data
 
 
 def run(policy: Policy, vocab: int) -> dict[str, Any]:
@@ -73,9 +68,9 @@ def run(policy: Policy, vocab: int) -> dict[str, Any]:
     accumulates 4: the summation order differs and the comparison is not trivially bitwise.
     """
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
-    data = rl_batch(policy, make_batch(vocab))
+    data = with_rl_keys(policy, make_batch(vocab))
     first = policy.train(data, loss_fn)
-    second = policy.train(rl_batch(policy, make_batch(vocab, seed=1)), loss_fn, mbs=1)
+    second = policy.train(with_rl_keys(policy, make_batch(vocab, seed=1)), loss_fn, mbs=1)
     return {
         "prev_logprobs": data["prev_logprobs"],
         "reference": data["reference_policy_logprobs"],

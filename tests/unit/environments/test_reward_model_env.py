@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from relayrl.environments.reward_model_env import (
     RewardModelEnvConfig,
@@ -15,6 +14,7 @@ from relayrl.environments.reward_model_env import (
     concatenation_renderer,
 )
 from relayrl.models.policy.reward_model import RewardModelPolicy
+from tests.helpers import save_test_reward_model
 
 CONVERSATIONS = [
     [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}],
@@ -30,24 +30,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> Path:
-    config = Qwen2Config(
-        vocab_size=len(char_tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_labels=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(3)
-    model = Qwen2ForSequenceClassification(config)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    path = tmp_path_factory.mktemp("env_rm")
-    model.save_pretrained(path)
-    char_tokenizer.save_pretrained(path)
-    return path
+    return save_test_reward_model(tmp_path_factory.mktemp("env_rm"), char_tokenizer, seed=3, score_std=1.0)
 
 
 @pytest.fixture(scope="module")
