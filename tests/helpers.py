@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models.generation.interfaces import GenerationInterface
 
 #: float32 machine epsilon (2**-23; twice the unit roundoff u = 2**-24).
 EPS_F32 = 2.0**-23
@@ -294,3 +296,44 @@ def train_on_policy(policy: Any, data: BatchedDataDict) -> None:
     data["generation_logprobs"] = data["prev_logprobs"].clone()
     data["reference_policy_logprobs"] = data["prev_logprobs"].clone()
     policy.train(data, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0)))
+
+
+def scripted_generation_output(
+    data: BatchedDataDict,
+    replies: list[list[int]],
+    truncated: list[bool],
+    *,
+    pad_id: int,
+    logprobs: Callable[[int], torch.Tensor],
+) -> BatchedDataDict:
+    """What a generation backend returns when row i of `data` is answered with the tokens `replies[i]`: prompt and
+    reply right-padded with `pad_id`, `logprobs(len(reply))` at the reply positions (zeros elsewhere)."""
+    ids, lengths = data["input_ids"], data["input_lengths"]  # [B, S], [B]
+    width = ids.shape[1] + max(len(r) for r in replies)
+    out = torch.full((len(replies), width), pad_id, dtype=torch.long)  # [B, S + G]
+    lps = torch.zeros(out.shape)  # [B, S + G]
+    for i, (reply, n) in enumerate(zip(replies, lengths.tolist())):
+        out[i, :n] = ids[i, :n]
+        out[i, n : n + len(reply)] = torch.tensor(reply)
+        lps[i, n : n + len(reply)] = logprobs(len(reply))
+    gen_lengths = torch.tensor([len(r) for r in replies])
+    return BatchedDataDict(
+        output_ids=out,
+        logprobs=lps,
+        generation_lengths=gen_lengths,
+        unpadded_sequence_lengths=lengths + gen_lengths,
+        truncated=torch.tensor(truncated),
+    )
+
+
+class ScriptedGenerationBase(GenerationInterface):
+    """A generation backend for tests: subclasses write `generate`; the lifecycle calls succeed and do nothing."""
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def shutdown(self) -> bool:
+        return True

@@ -3,8 +3,6 @@ deterministic mode), with dynamic sampling on and off."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -40,19 +38,20 @@ def _parity_env():
     ENV_REGISTRY.pop("parity_test", None)
 
 
-def _overrides(model_dir: Path) -> list[str]:
-    return tiny_grpo_overrides(
-        model_dir,
-        "policy.optimizer.kwargs.lr=1e-3",
-        "data.train.default_task=parity_test",
-        "logger.tensorboard_enabled=false",
-    )
+#: added to tests.helpers.tiny_grpo_overrides: a real lr and the even-length reward above
+GRPO_RUN = (
+    "policy.optimizer.kwargs.lr=1e-3",
+    "data.train.default_task=parity_test",
+    "logger.tensorboard_enabled=false",
+)
 
 
 @pytest.mark.parametrize("dynamic_sampling", [False, True], ids=["ds_off", "ds_on"])
 def test_parity_is_exact_on_memory_backend(tmp_path, tiny_model_dir, capsys, dynamic_sampling):
     extra = ["grpo.use_dynamic_sampling=true", "grpo.use_leave_one_out_baseline=false"] if dynamic_sampling else []
-    code = main(["parity", "--steps", "3", "--out", str(tmp_path), *_overrides(tiny_model_dir), *extra])
+    code = main(
+        ["parity", "--steps", "3", "--out", str(tmp_path), *tiny_grpo_overrides(tiny_model_dir, *GRPO_RUN, *extra)]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "parity OK" in out and "train/loss" in out and "train/reward" in out and "validation/accuracy" in out
@@ -70,15 +69,14 @@ def test_parity_detects_a_difference(tmp_path):
     assert report["max_abs_diff"] == {"train/loss": 0.25} and report["missing"] == []
 
 
-def _ppo_overrides(model_dir: Path) -> list[str]:
-    return tiny_ppo_overrides(
-        model_dir,
-        "value.optimizer.kwargs.lr=1e-3",
-        "value_loss_fn.value_clip=0.2",
-        "loss_fn.use_kl_in_reward=true",
-        "data.train.default_task=parity_test",
-        "checkpointing.enabled=false",
-    )
+#: added to tests.helpers.tiny_ppo_overrides: the critic's lr and value clip, the KL in the reward, the reward above
+PPO_RUN = (
+    "value.optimizer.kwargs.lr=1e-3",
+    "value_loss_fn.value_clip=0.2",
+    "loss_fn.use_kl_in_reward=true",
+    "data.train.default_task=parity_test",
+    "checkpointing.enabled=false",
+)
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["dp1_exact", "dp2_sharded_gae"])
@@ -88,7 +86,7 @@ def test_ppo_parity_on_memory_backend(tmp_path, tiny_model_dir, capsys, workers)
     One worker is exact; with two, GAE whitening sums float64 moments over the shards (float32 rounding apart)."""
     tolerance = "0" if workers == 1 else "1e-5"
     args = ["parity", "--steps", "3", "--tolerance", tolerance, "--out", str(tmp_path)]
-    code = main([*args, *_ppo_overrides(tiny_model_dir), f"cluster.workers_per_node={workers}"])
+    code = main([*args, *tiny_ppo_overrides(tiny_model_dir, *PPO_RUN, f"cluster.workers_per_node={workers}")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "parity OK" in out

@@ -22,21 +22,20 @@ _RUN_PPO = (
 )
 
 
-def _ppo_overrides(model_dir: Path) -> list[str]:
-    return tiny_ppo_overrides(
-        model_dir,
-        f"ppo.max_num_steps={STEPS}",
-        "ppo.val_at_start=true",
-        "checkpointing.save_period=2",
-        "cluster.deterministic=true",
-        "cluster.torch_num_threads=1",
-    )
+#: added to tests.helpers.tiny_ppo_overrides: a checkpoint at step 2 to resume from, deterministic kernels
+RUN = (
+    f"ppo.max_num_steps={STEPS}",
+    "ppo.val_at_start=true",
+    "checkpointing.save_period=2",
+    "cluster.deterministic=true",
+    "cluster.torch_num_threads=1",
+)
 
 
 @pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
 def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, data_plane):
     """Both trainers (`ppo_train`, `ppo_train_sync`): metrics, checkpoints of policy and critic, exact resume."""
-    overrides = [*_ppo_overrides(tiny_model_dir), f"data_plane.enabled={data_plane}"]
+    overrides = tiny_ppo_overrides(tiny_model_dir, *RUN, f"data_plane.enabled={data_plane}")
     ref_dir = tmp_path / "uninterrupted"
     summary = run_training(load_config(None, overrides), ref_dir)
     assert summary["first_validation"]["step"] == 0 and summary["last_validation"]["step"] == STEPS

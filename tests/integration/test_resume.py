@@ -13,14 +13,7 @@ from tests.helpers import EXACT_RUN, metrics_by_step, sigkill_after_checkpoint, 
 STEPS = 4
 
 
-def _overrides(model_dir: Path) -> list[str]:
-    return tiny_grpo_overrides(
-        model_dir,
-        *EXACT_RUN,
-        f"grpo.max_num_steps={STEPS}",
-        "grpo.val_at_start=false",
-        "checkpointing.save_period=2",
-    )
+RUN = (*EXACT_RUN, f"grpo.max_num_steps={STEPS}", "grpo.val_at_start=false", "checkpointing.save_period=2")
 
 
 def _train_metrics(run_dir: Path) -> dict[int, dict]:
@@ -30,7 +23,7 @@ def _train_metrics(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.parametrize("data_plane", ["false", "true"], ids=["legacy", "data_plane"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir, data_plane):
-    overrides = [*_overrides(tiny_model_dir), f"data_plane.enabled={data_plane}"]
+    overrides = tiny_grpo_overrides(tiny_model_dir, *RUN, f"data_plane.enabled={data_plane}")
     ref_dir = tmp_path / "uninterrupted"
     assert main(["train", "--run-dir", str(ref_dir), *overrides]) == 0
     reference = _train_metrics(ref_dir)

@@ -29,16 +29,16 @@ from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOAdvEstimatorCon
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from relayrl.experience.data import PromptDataset, PromptRecord, rl_collate_fn
-from relayrl.models.generation.interfaces import GenerationInterface
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.value.lm_value import Value
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
+from tests.helpers import ScriptedGenerationBase, scripted_generation_output
 
 ROWS = 4  # 2 prompts x 2 generations
 
 
-class ScriptedGeneration(GenerationInterface):
+class ScriptedGeneration(ScriptedGenerationBase):
     """Row i of every call answers "7" + eos, or (when truncated[i]) "12345" without eos, with logprob -1."""
 
     def __init__(self, tokenizer: Any, truncated: list[bool]) -> None:
@@ -48,37 +48,16 @@ class ScriptedGeneration(GenerationInterface):
 
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         self.calls += 1
-        ids, lengths = data["input_ids"], data["input_lengths"]  # [B, S], [B]
-        answers = []
+        ids = data["input_ids"]  # [B, S]
+        replies, truncated = [], []
         for i in range(ids.shape[0]):
             trunc = self.truncated[i % len(self.truncated)]
             text_ids = self.tokenizer("12345" if trunc else "7", add_special_tokens=False)["input_ids"]
-            answers.append((text_ids if trunc else [*text_ids, self.tokenizer.eos_token_id], trunc))
-        width = ids.shape[1] + max(len(a) for a, _ in answers)
-        out = torch.full((ids.shape[0], width), self.tokenizer.pad_token_id, dtype=torch.long)  # [B, S + G]
-        logprobs = torch.zeros(out.shape)  # [B, S + G]
-        for i, (answer, _) in enumerate(answers):
-            n = int(lengths[i])
-            out[i, :n] = ids[i, :n]
-            out[i, n : n + len(answer)] = torch.tensor(answer)
-            logprobs[i, n : n + len(answer)] = -1.0
-        gen_lengths = torch.tensor([len(a) for a, _ in answers])
-        return BatchedDataDict(
-            output_ids=out,
-            logprobs=logprobs,
-            generation_lengths=gen_lengths,
-            unpadded_sequence_lengths=lengths + gen_lengths,
-            truncated=torch.tensor([t for _, t in answers]),
+            replies.append(text_ids if trunc else [*text_ids, self.tokenizer.eos_token_id])
+            truncated.append(trunc)
+        return scripted_generation_output(
+            data, replies, truncated, pad_id=self.tokenizer.pad_token_id, logprobs=lambda n: torch.full((n,), -1.0)
         )
-
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def shutdown(self) -> bool:
-        return True
 
 
 class SevenEnv(EnvironmentInterface):

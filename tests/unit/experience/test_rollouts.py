@@ -20,12 +20,12 @@ from relayrl.experience.rollouts import (
     calculate_rewards,
     run_multi_turn_rollout,
 )
-from relayrl.models.generation.interfaces import GenerationInterface
+from tests.helpers import ScriptedGenerationBase, scripted_generation_output
 
 EOS = 1
 
 
-class ScriptedEngine(GenerationInterface):
+class ScriptedEngine(ScriptedGenerationBase):
     """Answers each prompt with `reply(prompt_text, call)` -> (text, stopped); logprob of the k-th token is -0.1*(k+1)."""
 
     def __init__(self, tokenizer: Any, reply: Callable[[str, int], tuple[str, bool]]) -> None:
@@ -39,30 +39,9 @@ class ScriptedEngine(GenerationInterface):
             text, stopped = self.reply(self.tok.decode(row[:n].tolist()), len(self.calls))
             gens.append(self.tok(text, add_special_tokens=False)["input_ids"] + ([EOS] if stopped else []))
             truncs.append(not stopped)
-        width = ids.shape[1] + max(len(g) for g in gens)
-        out_ids = torch.zeros(len(gens), width, dtype=torch.long)  # [B, S_in + G]
-        logprobs = torch.zeros(len(gens), width)
-        for r, (g, n) in enumerate(zip(gens, lengths.tolist())):
-            out_ids[r, :n] = ids[r, :n]
-            out_ids[r, n : n + len(g)] = torch.tensor(g)
-            logprobs[r, n : n + len(g)] = -0.1 * torch.arange(1, len(g) + 1)
-        gen_lens = torch.tensor([len(g) for g in gens])
-        return BatchedDataDict(
-            output_ids=out_ids,
-            logprobs=logprobs,
-            generation_lengths=gen_lens,
-            unpadded_sequence_lengths=lengths + gen_lens,
-            truncated=torch.tensor(truncs),
+        return scripted_generation_output(
+            data, gens, truncs, pad_id=0, logprobs=lambda n: -0.1 * torch.arange(1, n + 1)
         )
-
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def shutdown(self) -> bool:
-        return True
 
 
 def _prompt_batch(
