@@ -163,15 +163,21 @@ def test_timeout_none_never_fires(clock: FakeClock) -> None:
     assert tc.check_save() is False
 
 
+def checks_after_iterations(tc: TimeoutChecker, clock: FakeClock, n: int = 6, seconds: float = 20.0) -> list[bool]:
+    """`check_save()` after each of `n` iterations of `seconds` each."""
+    results = []
+    for _ in range(n):
+        clock.now += seconds
+        tc.mark_iteration()
+        results.append(tc.check_save())
+    return results
+
+
 def test_timeout_fits_next_iteration_and_fires_once(clock: FakeClock) -> None:
     tc = TimeoutChecker("00:00:01:40")  # 100 s
     clock.now += 10.0  # setup counts against the budget
     tc.start_iterations()
-    results = []
-    for _ in range(6):
-        clock.now += 20.0
-        tc.mark_iteration()
-        results.append(tc.check_save())
+    results = checks_after_iterations(tc, clock)
     # elapsed after k iterations = 10 + 20k; fires when elapsed + mean(20) >= 100, i.e. k = 4 (90 + 20 >= 100)
     assert results == [False, False, False, True, False, False]
     assert tc.iteration_times == pytest.approx([20.0] * 6)
@@ -180,12 +186,7 @@ def test_timeout_fits_next_iteration_and_fires_once(clock: FakeClock) -> None:
 def test_timeout_without_fitting_waits_for_budget(clock: FakeClock) -> None:
     tc = TimeoutChecker("00:00:01:40", fit_last_save_time=False)
     tc.start_iterations()
-    results = []
-    for _ in range(6):
-        clock.now += 20.0
-        tc.mark_iteration()
-        results.append(tc.check_save())
-    assert results == [False, False, False, False, True, False]
+    assert checks_after_iterations(tc, clock) == [False, False, False, False, True, False]
 
 
 def test_timeout_bad_format_raises() -> None:
