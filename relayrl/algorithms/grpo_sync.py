@@ -25,6 +25,7 @@ from relayrl.algorithms.advantages import (
     row_advantage_metrics,
 )
 from relayrl.algorithms.interfaces import LossFunction
+from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
 from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
@@ -165,13 +166,9 @@ class GRPOSyncSteps:
             if not self.skip_ref:
                 self.policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
         seq_err_metrics: dict[str, float] = {}
-        if not self.skip_prev:  # reduced per row on the workers
-            sample_mask, seq_err_metrics = _compute_seq_logprob_error_metrics(
-                policy=self.policy,
-                meta=meta,
-                sample_mask=sample_mask,
-                rewards=rewards,
-                seq_logprob_error_threshold=g.seq_logprob_error_threshold,
+        if not self.skip_prev:  # reduced per row on the workers: [B] floats reach the driver, not [B, S] columns
+            sample_mask, seq_err_metrics = worker_seq_logprob_error_metrics(
+                self.policy, meta, sample_mask, rewards, g.seq_logprob_error_threshold
             )
         with timer.time("advantage_calculation"):
             adv_metrics = self._advantages(meta, carry, rewards, sample_mask, stored_mask)
@@ -406,11 +403,20 @@ def _apply_dynamic_sampling(
 
 def _compute_seq_logprob_error_metrics(
     *,
-    policy: DataPlanePolicy,
-    meta: KVBatchMeta,
+    token_mask: torch.Tensor,
     sample_mask: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
     rewards: torch.Tensor,
     seq_logprob_error_threshold: float | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Same metrics and threshold masking as the legacy trainer, from per-row errors reduced on the workers."""
-    return worker_seq_logprob_error_metrics(policy, meta, sample_mask, rewards, seq_logprob_error_threshold)
+    """The legacy trainer's sequence-level logprob-error metrics and threshold masking, from the step's columns.
+
+    `token_mask`, `prev_logprobs`, `generation_logprobs` are [B, S] (token-aligned), `sample_mask` and `rewards`
+    [B]. Returns (sample_mask, metrics): the mask with rows whose error exceeds the threshold zeroed (unchanged
+    without a threshold). `GRPOSyncSteps` gets the same numbers without fetching the columns to the driver
+    (`trainer_common.worker_seq_logprob_error_metrics`: each worker reduces its own rows).
+    """
+    return compute_seq_logprob_error_metrics(
+        token_mask, sample_mask, prev_logprobs, generation_logprobs, rewards, seq_logprob_error_threshold
+    )

@@ -13,6 +13,7 @@ from relayrl.algorithms.grpo_sync import (
     _raise_if_message_level_advantage_penalties_enabled,
     _train_fields_for_step,
 )
+from relayrl.algorithms.trainer_common import worker_seq_logprob_error_metrics
 from relayrl.config import MasterConfig
 from relayrl.data_plane.column_io import first_write
 from relayrl.data_plane.interfaces import MissingKeysError
@@ -150,13 +151,17 @@ def test_seq_logprob_error_metrics_hand_computed(tiny_model_dir, char_tokenizer)
         }
         meta = first_write(bulk, keys=["p_g0", "p_g1"], client=policy.dp_client, partition_id="train")
         policy.write_to_dataplane(meta, {"prev_logprobs": prev})
-        mask, metrics = _compute_seq_logprob_error_metrics(
-            policy=policy,
-            meta=meta,
+        rewards = torch.tensor([1.0, 0.0])
+        mask, metrics = worker_seq_logprob_error_metrics(policy, meta, torch.ones(n), rewards, 2.0)
+        driver_mask, driver_metrics = _compute_seq_logprob_error_metrics(  # the same columns, on the driver
+            token_mask=token_mask,
             sample_mask=torch.ones(n),
-            rewards=torch.tensor([1.0, 0.0]),
+            prev_logprobs=prev,
+            generation_logprobs=gen,
+            rewards=rewards,
             seq_logprob_error_threshold=2.0,
         )
+        assert torch.equal(driver_mask, mask) and driver_metrics == pytest.approx(metrics)
         e0 = (3 + math.exp(0.5)) / 4
         assert metrics["max_seq_mult_prob_error"] == pytest.approx(math.e)
         assert metrics["min_seq_mult_prob_error"] == pytest.approx(e0)
