@@ -40,7 +40,7 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
     envs = build_environments(cfg)
     try:
         generation.prepare_for_generation()
-        metrics = validate(generation, val_dataloader, tokenizer, envs, step=0, master_config=cfg, logger=None)
+        metrics, _ = validate(generation, val_dataloader, tokenizer, envs, step=0, master_config=cfg, logger=None)
     finally:
         generation.shutdown()
         policy.shutdown()

@@ -34,7 +34,7 @@ from relayrl.algorithms.trainer_common import (
     step_metrics,
 )
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
-from relayrl.algorithms.validation import Envs, validate, validation_runner
+from relayrl.algorithms.validation import Envs, ValidationResult, validate, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import (
@@ -99,7 +99,7 @@ class GRPOSteps:
         logger: Logger,
         cfg: MasterConfig,
         timer: Timer,
-        validate_at: Callable[[int], dict[str, float]],
+        validate_at: Callable[[int], ValidationResult],
     ) -> None:
         self.policy, self.generation, self.tokenizer, self.loss_fn = policy, policy_generation, tokenizer, loss_fn
         self.task_to_env, self.cfg, self.g, self.timer = task_to_env, cfg, cfg.grpo, timer

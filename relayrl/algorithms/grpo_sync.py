@@ -40,7 +40,7 @@ from relayrl.algorithms.trainer_common import (
     worker_seq_logprob_error_metrics,
 )
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
-from relayrl.algorithms.validation import Envs, validate_sync, validation_runner
+from relayrl.algorithms.validation import Envs, ValidationResult, validate_sync, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
@@ -87,7 +87,7 @@ def grpo_train_sync(
     timer = Timer()
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
-    def validate_at(step: int) -> dict[str, float]:
+    def validate_at(step: int) -> ValidationResult:
         return validate_sync(
             rollout_actor=actor,
             policy=policy,
@@ -115,7 +115,7 @@ class GRPOSyncSteps:
         logger: Logger,
         cfg: MasterConfig,
         timer: Timer,
-        validate_at: Callable[[int], dict[str, float]],
+        validate_at: Callable[[int], ValidationResult],
     ) -> None:
         self.policy, self.generation, self.actor, self.loss_fn = policy, policy_generation, rollout_actor, loss_fn
         self.logger, self.cfg, self.g, self.timer = logger, cfg, cfg.grpo, timer

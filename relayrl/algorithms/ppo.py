@@ -36,7 +36,7 @@ from relayrl.algorithms.trainer_common import (
     ppo_epochs,
     ppo_step_metrics,
 )
-from relayrl.algorithms.validation import Envs, validate, validation_runner
+from relayrl.algorithms.validation import Envs, ValidationResult, validate, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import (
@@ -71,7 +71,7 @@ def ppo_train(
     """Run PPO until max_num_steps / max_num_epochs / early stop / wall-clock budget. Returns the last metrics."""
     cfg, timer = master_config, Timer()
 
-    def validate_at(step: int) -> dict[str, float]:
+    def validate_at(step: int) -> ValidationResult:
         return validate(policy_generation, val_dataloader, tokenizer, val_task_to_env, step, cfg, logger)
 
     steps = PPOSteps(
@@ -106,7 +106,7 @@ class PPOSteps:
         logger: Logger,
         cfg: MasterConfig,
         timer: Timer,
-        validate_at: Callable[[int], dict[str, float]],
+        validate_at: Callable[[int], ValidationResult],
     ) -> None:
         self.policy, self.generation, self.value, self.tokenizer = policy, policy_generation, value, tokenizer
         self.loss_fn, self.value_loss_fn, self.task_to_env = loss_fn, value_loss_fn, task_to_env

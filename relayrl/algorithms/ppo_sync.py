@@ -52,7 +52,7 @@ from relayrl.algorithms.trainer_common import (
     rollout_carry_keys,
     worker_seq_logprob_error_metrics,
 )
-from relayrl.algorithms.validation import Envs, validate_sync, validation_runner
+from relayrl.algorithms.validation import Envs, ValidationResult, validate_sync, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
@@ -89,7 +89,7 @@ def ppo_train_sync(
     _check_components(cfg, policy, value)
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
-    def validate_at(step: int) -> dict[str, float]:
+    def validate_at(step: int) -> ValidationResult:
         return validate_sync(
             rollout_actor=actor,
             policy=policy,
@@ -121,7 +121,7 @@ class PPOSyncSteps:
         logger: Logger,
         cfg: MasterConfig,
         timer: Timer,
-        validate_at: Callable[[int], dict[str, float]],
+        validate_at: Callable[[int], ValidationResult],
     ) -> None:
         self.policy, self.generation, self.value, self.actor = policy, policy_generation, value, rollout_actor
         self.loss_fn, self.value_loss_fn = loss_fn, value_loss_fn

@@ -2,7 +2,8 @@
 
 The legacy trainers roll validation batches out in the driver (`validate`), the data-plane trainers through the
 rollout actor into a per-batch `val` partition (`validate_sync`). Only that one call differs; the batching, the
-metrics and their logging are `_validate_batches`, so both paths report identical numbers.
+metrics and the samples file are `_validate_batches`, so both paths report identical numbers. Both return
+`(val_metrics, timing_metrics)`; `validation_runner` logs them under `validation/` and `timing/validation/`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.experience.rollouts import run_multi_turn_rollout
 from relayrl.utils.logger import Logger
 
-__all__ = ["validate", "validate_sync", "validation_runner"]
+__all__ = ["ValidationResult", "validate", "validate_sync", "validation_runner"]
 
 Envs = dict[str, EnvironmentInterface]
 #: One validation batch rolled out: (rewards [B], mean generated tokens per sample, samples for val_data_step*.jsonl)
 BatchRollout = Callable[[BatchedDataDict], tuple[torch.Tensor, float, list[dict[str, object]]]]
+#: What a validation returns: (val_metrics, timing_metrics), both empty when there is nothing to validate.
+ValidationResult = tuple[dict[str, float], dict[str, float]]
 
 
 def validate(
@@ -35,10 +38,11 @@ def validate(
     step: int,
     master_config: MasterConfig,
     logger: Logger | None = None,
-) -> dict[str, float]:
-    """Roll out the validation prompts in the driver (k generations each); accuracy, pass@k and length."""
+) -> ValidationResult:
+    """Roll out the validation prompts in the driver (k generations each). Returns (val_metrics: accuracy, pass@k,
+    avg_length, num_samples; timing_metrics: total_validation_time)."""
     if val_dataloader is None or val_task_to_env is None:
-        return {}
+        return {}, {}
     cfg = master_config
 
     def rollout(repeated: BatchedDataDict) -> tuple[torch.Tensor, float, list[dict[str, object]]]:
@@ -67,14 +71,14 @@ def validate_sync(
     master_config: MasterConfig,
     logger: Logger | None = None,
     partition_id: str = "val",
-) -> dict[str, float]:
+) -> ValidationResult:
     """Validation through the data plane: per batch, a `val` partition, one rollout_to_tq, then clear.
 
     The caller prepares and finishes generation around the whole validation, so inference state stays warm across
-    batches. Accuracy, pass@k and average length match the legacy `validate`.
+    batches. Returns (val_metrics, timing_metrics) as the legacy `validate` does, with the same numbers.
     """
     if val_dataloader is None or val_task_to_env is None:
-        return {}
+        return {}, {}
     k = master_config.rollout.val_num_generations_per_prompt
 
     def rollout(repeated: BatchedDataDict) -> tuple[torch.Tensor, float, list[dict[str, object]]]:
@@ -101,8 +105,9 @@ def _samples(logs: list[Any], batch: BatchedDataDict) -> list[dict[str, object]]
 
 def _validate_batches(
     val_dataloader: BatchLoader, rollout: BatchRollout, step: int, cfg: MasterConfig, logger: Logger | None
-) -> dict[str, float]:
-    """Up to `max_val_samples` prompts, k generations each, through `rollout`; the metrics both paths report."""
+) -> ValidationResult:
+    """Up to `max_val_samples` prompts, k generations each, through `rollout`; the metrics both paths report and
+    the wall time it took. With a logger, the samples go to `val_data_step<step>.jsonl`."""
     r = cfg.rollout
     k = r.val_num_generations_per_prompt
     t0 = time.perf_counter()
@@ -129,19 +134,20 @@ def _validate_batches(
         val_metrics["pass_k"] = (rewards.view(-1, k) > 0).any(dim=1).float().mean().item()
     if logger is not None:
         logger.log_jsonl(samples, f"val_data_step{step}.jsonl")
-        logger.log_metrics({"total_validation_time": time.perf_counter() - t0}, step, prefix="timing/validation")
-    return val_metrics
+    return val_metrics, {"total_validation_time": time.perf_counter() - t0}
 
 
 def validation_runner(
-    policy_generation: Generation, logger: Logger, validate_at: Callable[[int], dict[str, float]]
+    policy_generation: Generation, logger: Logger, validate_at: Callable[[int], ValidationResult]
 ) -> Callable[[int], dict[str, float]]:
-    """`run_validation(step)` of a trainer: generation prepared around the whole validation, metrics logged under
-    `validation/`."""
+    """`run_validation(step)` of a trainer: generation prepared around the whole validation, the timing logged under
+    `timing/validation/` and the metrics under `validation/`. Returns the metrics."""
 
     def run_validation(step: int) -> dict[str, float]:
         policy_generation.prepare_for_generation()
-        val_metrics = validate_at(step)
+        val_metrics, timing_metrics = validate_at(step)
+        if timing_metrics:
+            logger.log_metrics(timing_metrics, step, prefix="timing/validation")
         policy_generation.finish_generation()
         if val_metrics:
             logger.log_metrics(val_metrics, step, prefix="validation")
