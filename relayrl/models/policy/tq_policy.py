@@ -75,6 +75,13 @@ class TQPolicy(TQFacade[TQPolicyWorker], Policy):
         check_sample_count(num_samples, "prepare_val_partition")
         self.dp_client.register_partition(partition_id, list(DP_TRAIN_FIELDS), num_samples, [partition_id], None)
 
+    def discard_samples(self, sample_ids: list[str], partition_id: str) -> None:  # type: ignore[override]
+        """Drop `sample_ids` (keys minted at rollout) from partition `partition_id`: at the end of a step
+        (`finish_step`) or mid-step for rows filtered out (dynamic sampling). Ids not in the store are ignored.
+
+        The seed's signature; `TQFacade.discard_samples` (the critic's) also returns how many ids were present."""
+        super().discard_samples(sample_ids, partition_id)
+
     # ------------------------------------------------------------------ dispatch (the rest: TQFacade)
     def _default_pad_multiple(self) -> int:
         return self.cfg.make_sequence_length_divisible_by

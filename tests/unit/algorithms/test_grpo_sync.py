@@ -28,8 +28,8 @@ class _StorePolicy:
     def __init__(self, client: MemoryDataPlaneClient) -> None:
         self.client = client
 
-    def discard_samples(self, keys: list[str], partition_id: str) -> int:
-        return self.client.clear_samples(keys, partition_id)
+    def discard_samples(self, sample_ids: list[str], partition_id: str) -> None:
+        self.client.clear_samples(sample_ids, partition_id)
 
 
 def _rollout(client: MemoryDataPlaneClient, n: int, stds: list[float], rewards: list[float], uid: str):

@@ -250,7 +250,8 @@ def test_finish_step_empties_the_partition_and_a_leak_is_an_error(
     policy = make_policy()
     batch = rollout_like_batch(lengths_for(6), len(char_tokenizer), char_tokenizer.pad_token_id)
     meta, _ = seed_step(policy, batch)
-    assert policy.discard_samples(meta.keys[:2], "train") == 2  # e.g. dynamic sampling dropped a group
+    assert policy.discard_samples(meta.keys[:2], "train") is None  # e.g. dynamic sampling dropped a group
+    assert policy._partition_keys("train") == meta.keys[2:]
     policy.finish_step(meta.slice(2, 6))
     assert policy._partition_keys("train") == [] and policy.dp_client.bytes_held()["train"] == 0
 
@@ -266,7 +267,8 @@ def test_prepare_partitions_and_discard(make_policy: Callable[..., Any]) -> None
     policy.prepare_val_partition(3)
     producer = build_data_plane_client(DP_CFG, bootstrap=False)
     producer.put_samples(["a_g0", "b_g0"], "val", {"sample_mask": torch.ones(2)})
-    assert policy.discard_samples(["a_g0", "zz"], "val") == 1
+    assert policy.discard_samples(["a_g0", "zz"], "val") is None  # ids not in the store are ignored
+    assert policy._partition_keys("val") == ["b_g0"]
     with pytest.raises(TypeError, match="not a single string"):
         policy.discard_samples("b_g0", "val")
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
