@@ -11,6 +11,11 @@ during decode. Models it cannot reproduce exactly are reported by `support.fast_
 lm_head=True)` and go through `HfDecoder`. On CPU, a float32 model without q/k norms can run each decode step as one
 call of relayrl's compiled step (`kernels`, `native=True`): the same computation with the work between the matrix
 products in C++ loops instead of ~400 dispatched ops.
+
+With `kv_scales` (one (k_scale, v_scale) per layer; `policy.generation.kv_cache_dtype=fp8`) both decoders keep the
+cache as float8 e4m3 (`fp8_kv.quantize`: k / k_scale, saturated) and attend to its dequantized values, the prompt's
+included (prefill attends to what the cache holds, so a token's log-prob does not depend on whether it was in the
+prompt). The compiled CPU step reads float32 caches only: with FP8 the fast decoder runs its PyTorch ops.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from relayrl.models import fp8_kv
 from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
 from relayrl.models.fast.support import backbone_of, native_head_dim, native_tensors, read_layer, weight_and_bias
 
@@ -31,9 +37,10 @@ class FastDecoder:
     """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows.
 
     `native`: run each decode step as one call of relayrl's compiled CPU step (`kernels`) when the model is a
-    float32 CPU model without q/k norms and the library loads; otherwise (or with native=False) PyTorch ops."""
+    float32 CPU model without q/k norms and the library loads; otherwise (or with native=False) PyTorch ops.
+    `kv_scales`: (k_scale, v_scale) per layer: an FP8 cache (PyTorch ops only); None: the model's dtype."""
 
-    def __init__(self, model: Any, *, native: bool = False) -> None:
+    def __init__(self, model: Any, *, native: bool = False, kv_scales: list[tuple[float, float]] | None = None) -> None:
         base = backbone_of(model)  # HF modules are dynamic: attributes are read by name, as the HF forward does
         attn0 = base.layers[0].self_attn
         self.embed = base.embed_tokens.weight  # [V, H]
@@ -49,7 +56,10 @@ class FastDecoder:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.key_bias: torch.Tensor | None = None  # [b, 1, 1, T] additive: -inf at left-pad columns
-        self.native = native and self._native_supported() and load_cpu_kernels()
+        if kv_scales is not None and len(kv_scales) != len(self.layers):
+            raise ValueError(f"kv_scales cover {len(kv_scales)} layers, the model has {len(self.layers)}")
+        self.kv_scales = kv_scales
+        self.native = kv_scales is None and native and self._native_supported() and load_cpu_kernels()
         if self.native:
             order = ("in_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down")
             self._native_weights: list[torch.Tensor | None] = []
@@ -79,8 +89,9 @@ class FastDecoder:
         self.cos = cos[0]  # [T, D]
         self.signed_sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [T, D]
         shape = (batch, self.n_kv, capacity, self.head_dim)
-        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        cache_dtype = dtype if self.kv_scales is None else fp8_kv.FP8_DTYPE
+        self.k_cache = [torch.empty(shape, dtype=cache_dtype, device=device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=device) for _ in self.layers]
         self.key_bias = None
         if not bool(key_valid.all()):
             self.key_bias = torch.zeros((batch, 1, 1, capacity), dtype=dtype, device=device)
@@ -105,7 +116,7 @@ class FastDecoder:
         cos = self.cos[positions].unsqueeze(1)  # [rows, 1, P, D]
         sin = self.signed_sin[positions].unsqueeze(1)
         h = F.embedding(ids, self.embed)  # [rows, P, H]
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             x = rms_norm(h, layer.in_norm, layer.in_eps)
             q = F.linear(x, *layer.q).view(batch, cols, self.n_heads, self.head_dim)
             k = F.linear(x, *layer.k).view(batch, cols, self.n_kv, self.head_dim)
@@ -114,8 +125,15 @@ class FastDecoder:
                 q, k = rms_norm(q, layer.q_norm, layer.qk_eps), rms_norm(k, layer.k_norm, layer.qk_eps)
             q = rope(q.transpose(1, 2), cos, sin)  # [rows, Hq, P, D]
             k = rope(k.transpose(1, 2), cos, sin)  # [rows, Hkv, P, D]
-            k_cache[row0 : row0 + batch, :, :cols] = k
-            v_cache[row0 : row0 + batch, :, :cols] = v
+            if self.kv_scales is None:
+                k_cache[row0 : row0 + batch, :, :cols] = k
+                v_cache[row0 : row0 + batch, :, :cols] = v
+            else:  # attend to what the cache holds
+                k_scale, v_scale = self.kv_scales[i]
+                k8, v8 = fp8_kv.quantize(k, k_scale), fp8_kv.quantize(v, v_scale)
+                k_cache[row0 : row0 + batch, :, :cols] = k8
+                v_cache[row0 : row0 + batch, :, :cols] = v8
+                k, v = fp8_kv.dequantize(k8, k_scale, h.dtype), fp8_kv.dequantize(v8, v_scale, h.dtype)
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=self.scaling)
@@ -140,7 +158,7 @@ class FastDecoder:
         if on_cpu and bias is not None:
             bias = bias.expand(b, self.n_kv, 1, end).reshape(b * self.n_kv, 1, end)  # per (row, KV head), once
         h = F.embedding(tokens, self.embed)  # [b, H]
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             x = rms_norm(h, layer.in_norm, layer.in_eps)
             # Grouped-query view: the G query heads sharing a KV head become G query rows of that head.
             q = F.linear(x, *layer.q).view(b, self.n_kv, self.group, self.head_dim)
@@ -148,9 +166,17 @@ class FastDecoder:
             v = F.linear(x, *layer.v).view(b, self.n_kv, 1, self.head_dim)
             if layer.q_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, layer.qk_eps), rms_norm(k, layer.k_norm, layer.qk_eps)
-            k_cache.narrow(2, col, 1).copy_(rope(k, cos, sin))
-            v_cache.narrow(2, col, 1).copy_(v)
-            a = attend(rope(q, cos, sin), k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), bias)  # [b,Hkv,G,D]
+            if self.kv_scales is None:
+                k_cache.narrow(2, col, 1).copy_(rope(k, cos, sin))
+                v_cache.narrow(2, col, 1).copy_(v)
+                keys, values = k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end)
+            else:
+                k_scale, v_scale = self.kv_scales[i]
+                k_cache.narrow(2, col, 1).copy_(fp8_kv.quantize(rope(k, cos, sin), k_scale))
+                v_cache.narrow(2, col, 1).copy_(fp8_kv.quantize(v, v_scale))
+                keys = fp8_kv.dequantize(k_cache.narrow(2, 0, end), k_scale, h.dtype)
+                values = fp8_kv.dequantize(v_cache.narrow(2, 0, end), v_scale, h.dtype)
+            a = attend(rope(q, cos, sin), keys, values, bias)  # [b, Hkv, G, D]
             h = h + F.linear(a.reshape(b, -1), *layer.o)
             x = rms_norm(h, layer.post_norm, layer.post_eps)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
@@ -212,10 +238,12 @@ class FastDecoder:
 
 
 class HfDecoder:
-    """Any HF causal LM through its own forward and a DynamicCache (correct everywhere, slower per step)."""
+    """Any HF causal LM through its own forward and a DynamicCache (correct everywhere, slower per step); with
+    `kv_scales`, a DynamicCache of float8 layers (`fp8_kv.fp8_cache`, full-attention models only)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, kv_scales: list[tuple[float, float]] | None = None) -> None:
         self.model = model
+        self.kv_scales = kv_scales
         self.cache: Any = None
         self.mask = torch.empty(0, dtype=torch.long)  # [b, T] 1 = real token, set by start()
 
@@ -223,7 +251,10 @@ class HfDecoder:
         """Prefill left-padded prompts ids [B, P] through the model's forward; returns last-token logits [B, V]."""
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        if self.kv_scales is None:
+            self.cache = DynamicCache(config=self.model.config)
+        else:
+            self.cache = fp8_kv.fp8_cache(self.model, self.kv_scales)
         cols = ids.shape[1]
         self.mask = torch.ones((ids.shape[0], capacity), dtype=torch.long, device=ids.device)
         self.mask[:, :cols] = key_valid.long()
