@@ -34,6 +34,7 @@ from relayrl.utils.checkpoint import (
     load_state_file,
 )
 from relayrl.utils.config_io import dump_config
+from relayrl.utils.dir_lock import DirectoryInUseError, DirLock, lock_run_directories
 from relayrl.utils.logger import Logger
 from relayrl.utils.paths import resolve_tokenizer_path
 from relayrl.utils.seeding import enable_determinism, restore_rng_state, set_seed
@@ -61,6 +62,7 @@ class RunComponents:
     resumed_from: Path | None
     value: Any = None  # Value, or TQValue on the data plane
     value_loss_fn: LossFunction | None = None
+    run_locks: list[DirLock] | None = None  # this run owns its run (and checkpoint) directory while these live
 
 
 #: Files of which a Hugging Face tokenizer directory holds at least one.
@@ -150,7 +152,10 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
 
     check_trainer_executor(cfg)
     check_machine(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # One live run per directory (its run and checkpoint directories), checked before anything loads:
+    # DirectoryInUseError names the holder's pid.
+    checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
+    run_locks = lock_run_directories(run_dir, checkpoint_dir)
     if cfg.cluster.torch_num_threads is not None:
         torch.set_num_threads(cfg.cluster.torch_num_threads)
     if cfg.cluster.deterministic:
@@ -165,7 +170,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     task_names = _task_names(dataloader, val_dataloader)
     check_task_environments([cfg.data.train.default_task, *task_names])
     start_ray_for_run(cfg)
-    checkpointer = CheckpointManager(cfg.checkpointing, cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
+    checkpointer = CheckpointManager(cfg.checkpointing, checkpoint_dir)
     last = checkpointer.get_latest_checkpoint_path()
     save_state = load_save_state(checkpointer.load_training_info(last) if last else None)
     # Loader and RNG state are read (never unpickled) now, so a refused file fails the run before any model loads.
@@ -222,6 +227,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
         resumed_from=last,
         value=value,
         value_loss_fn=MseValueLossFn(cfg.value_loss_fn.scale, cfg.value_loss_fn.value_clip) if value else None,
+        run_locks=run_locks,
     )
 
 
@@ -311,7 +317,8 @@ def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, object]:
     try:
         c = setup(cfg, run_dir)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
-        if not existed:
+        taken = isinstance(exc, DirectoryInUseError) and exc.directory == run_dir  # another live run's: keep it
+        if not existed and not taken:
             shutil.rmtree(run_dir, ignore_errors=True)  # a set-up that failed leaves no run directory behind
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
         raise SetupError(message) from exc
@@ -325,6 +332,8 @@ def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, object]:
         c.policy.shutdown()
         for env in c.task_to_env.values():
             env.shutdown()
+        for lock in c.run_locks or ():
+            lock.release()
     return summarize_run(run_dir)
 
 

@@ -84,6 +84,13 @@ def _train(args: argparse.Namespace) -> int:
         base = load_config(recorded) if resuming else None
     except ConfigError as exc:
         return _fail(str(exc))
+    from relayrl.utils.dir_lock import DirectoryInUseError, lock_run_directories
+
+    ckpt_dir = cfg.checkpointing.checkpoint_dir or (run_dir / "checkpoints" if run_dir is not None else None)
+    try:  # another live run there: say so first. Held until this command ends; set-up shares the hold
+        _held = lock_run_directories(run_dir, ckpt_dir, create=False)
+    except DirectoryInUseError as exc:
+        return _fail(str(exc))
     if run_dir is None:
         run_dir = next_run_dir("runs")
     elif base is not None:

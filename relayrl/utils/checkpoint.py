@@ -28,11 +28,9 @@ import math
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -41,11 +39,7 @@ from typing import Any
 import yaml
 
 from relayrl.config import CheckpointingConfig
-
-try:  # POSIX; elsewhere every manager counts as the owner
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
+from relayrl.utils.dir_lock import LOCK_FILE, DirectoryInUseError, acquire_dir_lock
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^tmp_step_(\d+)$")
@@ -57,7 +51,7 @@ STATUS_FILE = "latest_checkpoint_status.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "relayrl-checkpoint-manifest"
 MANIFEST_VERSION = 1
-OWNER_LOCK = ".owner.lock"
+OWNER_LOCK = LOCK_FILE
 DATALOADER_STATE = "train_dataloader.safetensors"
 RNG_STATE = "rng_state.safetensors"
 #: What older relayrl versions wrote with torch.save (pickles): refused, never loaded.
@@ -71,6 +65,10 @@ class CheckpointError(ValueError):
 
     The message is one line and names the file or directory. A ValueError, so the CLI reports it as bad input
     (one line, exit 2) like every set-up error."""
+
+
+class CheckpointDirInUseError(CheckpointError, DirectoryInUseError):
+    """Another live run owns the checkpoint directory (`relayrl.utils.dir_lock`); the message names its pid."""
 
 
 class NonFiniteStateError(CheckpointError):
@@ -109,8 +107,9 @@ def load_save_state(training_info: dict[str, Any] | None) -> GRPOSaveState:
 class CheckpointManager:
     """Creates, finalizes, ranks and prunes `step_<N>` directories (synchronously, on the calling thread).
 
-    The manager owns `checkpoint_dir` for its lifetime (an exclusive flock on `.owner.lock`; other managers of
-    the same process share it): a second live run on the same directory is refused with a `CheckpointError`.
+    The manager owns `checkpoint_dir` for its lifetime (`relayrl.utils.dir_lock`: an exclusive flock on
+    `.owner.lock`; other managers of the same process share it): a second live run on the same directory is
+    refused with a `CheckpointDirInUseError` (a `CheckpointError`) naming the holder's pid.
     Only the owner recovers interrupted swaps and removes stale `tmp_step_*` directories, at start. `log` gets
     one line per notable event (a skipped damaged checkpoint, a removed stale directory); default: stderr.
     """
@@ -122,14 +121,18 @@ class CheckpointManager:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.log = log or _print_stderr
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        key = _acquire_owner_lock(self.checkpoint_dir)
-        self._release = weakref.finalize(self, _release_owner_lock, key)
+        try:
+            self._lock = acquire_dir_lock(
+                self.checkpoint_dir, "checkpoint directory", "set another checkpointing.checkpoint_dir"
+            )
+        except DirectoryInUseError as exc:
+            raise CheckpointDirInUseError(str(exc), exc.directory, exc.holder) from None
         self._recover_interrupted_swaps()
         self._remove_stale_tmp()
 
     def close(self) -> None:
         """Give up ownership of the directory (also done when the manager is garbage-collected)."""
-        self._release()
+        self._lock.release()
 
     # ------------------------------------------------------------------ writing
     def init_tmp_checkpoint(
@@ -547,44 +550,6 @@ def assert_finite_state(tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], 
         raise NonFiniteStateError(
             f"{what}: NaN or infinity in {len(bad)} of {total} tensors ({shown}); not checkpointed"
         )
-
-
-# ---------------------------------------------------------------------------------------------------- ownership
-_OWNED: dict[str, list[int]] = {}  # realpath of a checkpoint dir -> [lock fd, managers of this process using it]
-
-
-def _acquire_owner_lock(directory: Path) -> str:
-    """Exclusive flock on `directory/.owner.lock`, shared by this process's managers; CheckpointError if another
-    live process holds it. The kernel drops the lock when its process dies, however it dies."""
-    key = os.path.realpath(directory)
-    held = _OWNED.get(key)
-    if held is not None:
-        held[1] += 1
-        return key
-    fd = os.open(directory / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise CheckpointError(
-                f"{directory} is in use by another live run ({holder}); two runs cannot share a checkpoint directory"
-            ) from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    _OWNED[key] = [fd, 1]
-    return key
-
-
-def _release_owner_lock(key: str) -> None:
-    held = _OWNED.get(key)
-    if held is None:
-        return
-    held[1] -= 1
-    if held[1] == 0:
-        del _OWNED[key]
-        os.close(held[0])  # closing the last descriptor releases the flock
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -43,7 +43,11 @@ def next_run_dir(root: str | Path = "runs") -> Path:
     """A new numbered directory under `root` (runs/001, runs/002, ...), created."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    taken = [int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()]
-    run_dir = root / f"{max(taken, default=0) + 1:03d}"
-    run_dir.mkdir()
-    return run_dir
+    while True:  # two commands started at once: the one that loses the mkdir takes the next number
+        taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()]
+        run_dir = root / f"{max(taken, default=0) + 1:03d}"
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        return run_dir
