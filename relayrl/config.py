@@ -398,6 +398,13 @@ class ClusterConfig(Strict):
     retain_freed_memory: bool = True
     """Keep freed tensor buffers (up to 32 MiB each) mapped for reuse instead of returning them to the OS (glibc
     mallopt; like running under jemalloc/tcmalloc): saves thousands of page faults per CPU training step."""
+    start_timeout_s: PositiveFloat = 600.0
+    """Ray executor: deadline for a worker group or the rollout actor to start (resources placed, processes up,
+    models loaded); past it the run stops with one line naming what did not start."""
+    call_timeout_s: PositiveFloat = 1800.0
+    """Ray executor: deadline for one call on the workers or the rollout actor (a generation batch, a training
+    step, a refit); a rank that is alive but stuck fails the run with one line naming the call, never hangs it.
+    A dead rank is reported within seconds regardless."""
 
 
 class DataPlaneConfig(Strict):

@@ -99,7 +99,7 @@ def _train(args: argparse.Namespace) -> int:
             return _fail(problem)
     from relayrl.algorithms.setup import SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
-    from relayrl.distributed.errors import WorkerDiedError
+    from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
     from relayrl.utils.signals import TrainingInterrupted, exit_code
 
     resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
@@ -115,6 +115,9 @@ def _train(args: argparse.Namespace) -> int:
         return exit_code(2)
     except NonFiniteError as exc:  # stopped before the bad step changed any weight
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        return 1
+    except RemoteTimeoutError as exc:  # a remote wait past its deadline (the message names it and the key)
+        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
         return 1
     except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # raised in an actor: + its trace

@@ -26,7 +26,7 @@ from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import FieldBatch, KVBatchMeta, Tags
 from relayrl.data_plane.memory import ColumnarStore
 from relayrl.data_plane.proxy import DEFAULT_CALL_TIMEOUT_S
-from relayrl.data_plane.remote import NAMESPACE, LedgerHost, RemoteClient, knob, lookup_actor, start_host
+from relayrl.data_plane.remote import NAMESPACE, LedgerHost, RemoteClient, knob, lookup_actor, run_scoped, start_host
 
 ACTOR_NAME = "relayrl_data_plane"
 
@@ -129,17 +129,19 @@ def build_client(
     cfg: DataPlaneConfig,
     *,
     bootstrap: bool,
-    actor_name: str = ACTOR_NAME,
+    actor_name: str | None = None,
     call_timeout_s: float | None = None,
 ) -> RayDataPlaneClient:
     """Driver (`bootstrap=True`): start the named store actor on this node. Workers: attach to it by name.
 
+    The name defaults to `ACTOR_NAME` plus the driver's Ray job id (`run_scoped`): unique to the run.
     `call_timeout_s` defaults to `cfg.call_timeout_s` when the config has that key, else 120 s."""
     timeout = knob(cfg, "call_timeout_s", call_timeout_s, DEFAULT_CALL_TIMEOUT_S)
     if not ray.is_initialized():
         raise RuntimeError(
             "data_plane.backend='ray' needs a running Ray: call ray.init(...) (or connect to the cluster) first"
         )
+    actor_name = actor_name or run_scoped(ACTOR_NAME)
     existing = _lookup(actor_name)
     if not bootstrap:
         if existing is None:

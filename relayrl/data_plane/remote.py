@@ -9,7 +9,8 @@ both sides of that actor once:
 - `RemoteClient`, the client side: a `ProxyClient` whose transport is one actor call with a deadline, which
   re-raises each error as its own class (a dead actor as `DataPlaneClosedError`, an overrun as
   `ClaimTimeoutError`);
-- the bootstrap helpers: find a named actor, start one and wait until it answers.
+- the bootstrap helpers: a name unique to the run (`run_scoped`), find a named actor, start one and wait until it
+  answers.
 """
 
 from __future__ import annotations
@@ -166,6 +167,13 @@ def knob(cfg: DataPlaneConfig, name: str, given: R | None, default: R) -> R:
         return given
     value: R | None = getattr(cfg, name, None)
     return default if value is None else value
+
+
+def run_scoped(name: str) -> str:
+    """`name` made unique to this Ray job, i.e. to the driver's run: every process of the run (driver, workers,
+    rollout actor: Ray runs them all under the driver's job) derives the same name, and a second driver on the
+    same cluster another one, so two runs never attach to each other's store."""
+    return f"{name}-{ray.get_runtime_context().get_job_id()}"
 
 
 def lookup_actor(name: str, namespace: str = NAMESPACE) -> ActorHandle[LedgerHost] | None:

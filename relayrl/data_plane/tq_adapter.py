@@ -44,7 +44,7 @@ from relayrl.data_plane.interfaces import (
 )
 from relayrl.data_plane.ledger import Ledger
 from relayrl.data_plane.proxy import DEFAULT_CALL_TIMEOUT_S
-from relayrl.data_plane.remote import LedgerHost, RemoteClient, knob, lookup_actor, start_host
+from relayrl.data_plane.remote import LedgerHost, RemoteClient, knob, lookup_actor, run_scoped, start_host
 
 # TQ reads these at import time. Cap its per-call torch threads at the physical cores (it warns on every call
 # otherwise) and keep its log at WARNING; explicit user settings win.
@@ -260,10 +260,11 @@ class TQDataPlaneClient(RemoteClient):
 
 # ---------------------------------------------------------------------------------------------------- bootstrap
 def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: float) -> ActorHandle[LedgerHost]:
-    if lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is not None or lookup_actor(LEDGER_NAME) is not None:
-        raise RuntimeError(
-            "a TransferQueue data plane already runs in this Ray cluster; attach with bootstrap=False, "
-            "or close the client that started it"
+    if lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is not None or lookup_actor(run_scoped(LEDGER_NAME)) is not None:
+        raise RuntimeError(  # the controller's name is fixed by the package: one TQ data plane per Ray cluster
+            "a TransferQueue data plane already runs in this Ray cluster (one per cluster: the transferqueue "
+            "package names its controller); attach with bootstrap=False, close the client that started it, or "
+            "use data_plane.backend=ray for a second run on this cluster"
         )
     need = num_storage_units + 1
     deadline = time.monotonic() + _CPU_WAIT_S  # CPUs of a just-closed TQ come back a moment after its actors die
@@ -285,7 +286,7 @@ def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: flo
             },
         }
     )
-    ledger = start_host(_RemoteLedger, LEDGER_NAME, cfg.storage_capacity, init_timeout_s)
+    ledger = start_host(_RemoteLedger, run_scoped(LEDGER_NAME), cfg.storage_capacity, init_timeout_s)
     try:
         _run_with_timeout(lambda: tq.init(conf), init_timeout_s, "init")
     except BaseException:
@@ -298,7 +299,7 @@ def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: flo
 
 
 def _attach(init_timeout_s: float) -> ActorHandle[LedgerHost]:
-    ledger = lookup_actor(LEDGER_NAME)
+    ledger = lookup_actor(run_scoped(LEDGER_NAME))
     if lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE) is None or ledger is None:
         # tq.init() here would silently start a second, empty TransferQueue instead of attaching.
         raise RuntimeError(

@@ -15,7 +15,9 @@ collective and the group is torn down too.
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -30,8 +32,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relayrl.config import ClusterConfig
-from relayrl.distributed.errors import WorkerDiedError
+from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
 from relayrl.distributed.interfaces import method_name
+from relayrl.distributed.refit import private_ipc_dir
 
 W = TypeVar("W")
 P = ParamSpec("P")
@@ -46,17 +49,46 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     """Join `cluster.ray_address` or start a local Ray sized for the group; True if this call started Ray.
 
     A Ray that is already initialised is used as it is. A local start asks for max(4, ranks x cpus_per_worker)
-    CPUs (logical: Ray only uses them for placement) and no dashboard.
+    CPUs (logical: Ray only uses them for placement) and no dashboard, with Ray's token authentication on (see
+    `_token_for_local_ray`). Joining a cluster uses whatever authentication that cluster asks for.
     """
     if ray.is_initialized():
         return False
     if cluster.ray_address:
         ray.init(address=cluster.ray_address)
         return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written to the home directory
+    _token_for_local_ray()
     needed = cluster.num_nodes * cluster.workers_per_node * cluster.cpus_per_worker
-    ray.init(num_cpus=max(4, needed), include_dashboard=False)
+    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its "token authentication is enabled" notice, on every run
+    try:
+        ray.init(num_cpus=max(4, needed), include_dashboard=False)
+    finally:
+        quiet.setLevel(level)
     return True
+
+
+def _token_for_local_ray() -> None:
+    """Keep Ray's token authentication on for the local cluster relayrl starts (its GCS listens on the node's
+    address: without a token anyone who can reach the port could run code as this user).
+
+    Ray turns it on by default for a new local cluster, but would write the token to ~/.ray/auth_token; a fresh
+    random token for this run in RAY_AUTH_TOKEN (inherited by Ray's processes, which read it before any file)
+    keeps the home directory untouched. An explicit RAY_AUTH_MODE (e.g. `disabled`) or a token the user gave
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) is respected.
+    """
+    if "RAY_AUTH_MODE" in os.environ or "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ:
+        return
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def get_within(ref: Any, timeout_s: float, what: str, key: str) -> Any:
+    """`ray.get(ref)` with a deadline: RemoteTimeoutError "<what> did not answer within Ns (<key>)" past it."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError as exc:
+        raise RemoteTimeoutError(f"{what} did not answer within {timeout_s:g}s ({key})") from exc
 
 
 def _free_port() -> int:
@@ -166,7 +198,7 @@ class PendingCall(Generic[R]):
 
     def wait(self) -> list[R]:
         """Results in rank order; same failure handling (dead rank named, stuck group torn down) as `run_all`."""
-        return self._group._gather(self._refs, self._what, self._group._call_timeout_s)
+        return self._group._gather(self._refs, self._what, self._group._call_timeout_s, self._group._call_key)
 
     def result(self, timeout: float | None = None) -> list[R]:
         """`concurrent.futures.Future`-style alias of `wait` (the group's own call timeout applies)."""
@@ -182,7 +214,7 @@ class RayWorkerGroup(Generic[W]):
         cluster: ClusterConfig,
         *,
         name: str = "relayrl",
-        ready_timeout_s: float = 180.0,
+        ready_timeout_s: float | None = None,
         error_grace_s: float = 10.0,
         call_timeout_s: float | None = None,
         poll_s: float = 0.5,
@@ -191,7 +223,12 @@ class RayWorkerGroup(Generic[W]):
         self._world = cluster.num_nodes * cluster.workers_per_node
         self._name = name
         self._error_grace_s = error_grace_s
-        self._call_timeout_s = call_timeout_s
+        self._call_timeout_s = cluster.call_timeout_s if call_timeout_s is None else call_timeout_s
+        self._call_key = "cluster.call_timeout_s" if call_timeout_s is None else "call_timeout_s"
+        self._start_key = "cluster.start_timeout_s" if ready_timeout_s is None else "ready_timeout_s"
+        if ready_timeout_s is None:
+            ready_timeout_s = cluster.start_timeout_s
+        self._label = getattr(worker_cls, "__name__", name)
         self._poll_s = poll_s
         self._closed = False
         self._actors: list[Any] = []
@@ -224,10 +261,11 @@ class RayWorkerGroup(Generic[W]):
         try:
             ray.get(self._pg.ready(), timeout=timeout)
         except GetTimeoutError as exc:
-            raise TimeoutError(
-                f"placement group of {self._world} x {bundle} not ready after {timeout:g}s; Ray has "
+            raise RemoteTimeoutError(
+                f"placement group of {self._world} x {bundle} not ready after {timeout:g}s ({self._start_key}); Ray has "
                 f"{ray.available_resources()} available (other groups or actors may hold them)"
             ) from exc
+        private_ipc_dir()  # this run's refit sockets: the directory's path travels to every rank in the env
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         actor_cls = ray.remote(_RankHost)
         for r in range(self._world):
@@ -241,7 +279,9 @@ class RayWorkerGroup(Generic[W]):
                     ),
                 ).remote(r, self._world, {**env, "RANK": str(r), "WORLD_SIZE": str(self._world)})
             )
-        infos = self._gather([(r, a.node_info.remote()) for r, a in enumerate(self._actors)], "start-up", timeout)
+        infos = self._gather(
+            [(r, a.node_info.remote()) for r, a in enumerate(self._actors)], "start-up", timeout, self._start_key
+        )
         self.pids = [int(i["pid"]) for i in infos]
         nodes = list(dict.fromkeys(i["node_id"] for i in infos))  # node order of first appearance
         seen: dict[str, int] = {}
@@ -258,19 +298,24 @@ class RayWorkerGroup(Generic[W]):
             }
             settings = (cluster.torch_num_threads, cluster.deterministic, cluster.retain_freed_memory)
             refs.append((r, actor.setup.remote(rank_env, payload, *settings)))
-        self._gather(refs, "worker construction", None)
+        self._gather(refs, "worker construction", timeout, self._start_key)
 
     # ------------------------------------------------------------------ WorkerGroup protocol
     @property
     def world_size(self) -> int:
         return self._world
 
+    @property
+    def call_timeout_s(self) -> float:
+        """Deadline of one call on the ranks (`cluster.call_timeout_s` unless given)."""
+        return self._call_timeout_s
+
     def run_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         name = method_name(method)
         actors = self._live_actors()
         common = ray.put((args, kwargs))  # serialised once, not once per rank
         refs = [(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)]
-        return self._gather(refs, name, self._call_timeout_s)
+        return self._gather(refs, name, self._call_timeout_s, self._call_key)
 
     def run_sharded(
         self, method: Callable[Concatenate[W, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
@@ -281,7 +326,7 @@ class RayWorkerGroup(Generic[W]):
             raise ValueError(f"run_sharded got {len(shards)} shards for {len(actors)} workers")
         common = ray.put((args, kwargs))
         refs = [(r, a.call_sharded.remote(name, s, common)) for r, (a, s) in enumerate(zip(actors, shards))]
-        return self._gather(refs, name, self._call_timeout_s)
+        return self._gather(refs, name, self._call_timeout_s, self._call_key)
 
     def run_all_async(
         self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
@@ -295,7 +340,9 @@ class RayWorkerGroup(Generic[W]):
     def run_rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         name = method_name(method)
         actor = self._live_actors()[0]
-        result: R = self._gather([(0, actor.call.remote(name, args, kwargs))], name, self._call_timeout_s)[0]
+        result: R = self._gather(
+            [(0, actor.call.remote(name, args, kwargs))], name, self._call_timeout_s, self._call_key
+        )[0]
         return result
 
     def shutdown(self) -> bool:
@@ -318,8 +365,9 @@ class RayWorkerGroup(Generic[W]):
             raise RuntimeError("this worker group has been shut down (or lost a rank)")
         return self._actors
 
-    def _gather(self, refs: list[tuple[int, Any]], what: str, timeout: float | None) -> list[Any]:
-        """Results in rank order; a dead rank or a stuck group ends the wait in bounded time."""
+    def _gather(self, refs: list[tuple[int, Any]], what: str, timeout: float | None, key: str = "") -> list[Any]:
+        """Results in rank order; a dead rank or a stuck group ends the wait in bounded time (`timeout`, the config
+        `key` it comes from named in the error)."""
         pending = {ref: r for r, ref in refs}
         results: dict[int, Any] = {}
         failure: BaseException | None = None
@@ -344,7 +392,9 @@ class RayWorkerGroup(Generic[W]):
                 self._teardown(graceful=False)
                 if failure is not None:  # the others wait in a collective for the rank that failed
                     raise failure
-                raise TimeoutError(f"ranks {ranks} did not finish {what!r} within {timeout:g}s; group torn down")
+                raise RemoteTimeoutError(
+                    f"{self._label} ranks {ranks} did not finish {what!r} within {timeout:g}s ({key}); group torn down"
+                )
         if failure is not None:
             raise failure
         return [results[r] for r in sorted(results)]

@@ -18,10 +18,12 @@ once (`prepare_refit_info`) and then uses to cut received bytes back into tensor
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import tempfile
 import warnings
@@ -38,6 +40,7 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ALIGN = 512
 COMPLETE = b"COMPLETE"
 DEFAULT_TIMEOUT_MS = 120_000
+IPC_DIR_ENV = "RELAYRL_REFIT_IPC_DIR"
 
 
 def refit_info(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> RefitInfo:
@@ -93,13 +96,29 @@ def device_ipc_tag(device: torch.device, local_rank: int) -> str:
     return f"{socket.gethostname()}-cpu{local_rank}"
 
 
-def ipc_address(tag: str, directory: str | None = None) -> str:
-    """The `ipc://` path both sides of one device derive from the same tag.
+def private_ipc_dir() -> str:
+    """The directory of this run's refit sockets.
 
-    Directory: `directory`, else env RELAYRL_REFIT_IPC_DIR (forwarded to Ray ranks), else the temp directory.
+    RELAYRL_REFIT_IPC_DIR when set (by the user, or by the driver for the Ray ranks it starts: the executor
+    forwards RELAYRL_* variables), else a fresh private directory (mode 0700, `tempfile.mkdtemp`) that becomes
+    RELAYRL_REFIT_IPC_DIR for this process and every rank it starts afterwards, removed when the process exits.
+    So two runs on one host or one Ray cluster never share a socket path, and no other user can reach a socket.
     """
+    current = os.environ.get(IPC_DIR_ENV)
+    if current:
+        return current
+    path = tempfile.mkdtemp(prefix="relayrl-refit-")
+    os.environ[IPC_DIR_ENV] = path
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def ipc_address(tag: str, directory: str | None = None) -> str:
+    """The `ipc://` path both sides of one device derive from the same tag, in `directory`, else in
+    `private_ipc_dir()` (made here, mode 0700, on a node other than the driver's)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in tag)
-    root = directory or os.environ.get("RELAYRL_REFIT_IPC_DIR") or tempfile.gettempdir()
+    root = directory or private_ipc_dir()
+    os.makedirs(root, mode=0o700, exist_ok=True)
     return f"ipc://{os.path.join(root, f'relayrl-refit-{safe}.sock')}"
 
 

@@ -112,7 +112,13 @@ class RayRolloutActor:
             torch_num_threads=c.torch_num_threads,
             deterministic=c.deterministic,
         )
-        ray.get(self._actor.ready.remote())
+        self._start_timeout_s, self._call_timeout_s = c.start_timeout_s, c.call_timeout_s
+        self._stuck = False  # a call ran past its deadline: shutdown only kills the actor (anything else would queue)
+        try:
+            self._get(self._actor.ready.remote(), "start-up")
+        except BaseException:
+            ray.kill(self._actor, no_restart=True)
+            raise
         self._generation = policy_generation
         policy_generation.delegate_rng(self)  # from now on the actor's generator is the live one
         self._closed = False
@@ -122,16 +128,29 @@ class RayRolloutActor:
         override = kwargs.pop("task_to_env_override", None)
         if override is not None:
             kwargs["task_to_env_override_names"] = list(override)
-        return self._ray.get(self._actor.rollout.remote(input_batch, kwargs))
+        return self._get(self._actor.rollout.remote(input_batch, kwargs), "rollout")
 
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
-        return self._ray.get(self._actor.data_plane_metrics.remote(reset))
+        return self._get(self._actor.data_plane_metrics.remote(reset), "data_plane_metrics")
 
     def get_rng_state(self) -> torch.Tensor:
-        return self._ray.get(self._actor.get_rng_state.remote())
+        return self._get(self._actor.get_rng_state.remote(), "get_rng_state")
 
     def set_rng_state(self, state: torch.Tensor) -> None:
-        self._ray.get(self._actor.set_rng_state.remote(state))
+        self._get(self._actor.set_rng_state.remote(state), "set_rng_state")
+
+    def _get(self, ref: Any, what: str) -> Any:
+        """The call's result within `cluster.start_timeout_s` (start-up) or `cluster.call_timeout_s` (any other
+        call); past it a TimeoutError names the call and the key."""
+        from relayrl.distributed.ray_executor import get_within
+
+        try:
+            if what == "start-up":
+                return get_within(ref, self._start_timeout_s, "the rollout actor's start-up", "cluster.start_timeout_s")
+            return get_within(ref, self._call_timeout_s, f"the rollout actor's {what!r}", "cluster.call_timeout_s")
+        except TimeoutError:
+            self._stuck = True
+            raise
 
     def shutdown(self) -> bool:
         """Take the sampling stream back into the driver's engine, detach the actor from the store, stop it."""
@@ -139,8 +158,9 @@ class RayRolloutActor:
             return True
         self._closed = True
         try:
-            self._generation.delegate_rng(None)
-            self._ray.get(self._actor.shutdown.remote())
+            if not self._stuck:
+                self._generation.delegate_rng(None)
+                self._get(self._actor.shutdown.remote(), "shutdown")
         finally:
             self._ray.kill(self._actor, no_restart=True)
         return True

@@ -114,7 +114,13 @@ def _one_line(exc: ValidationError) -> str:
 # ---------------------------------------------------------------------------------------------------- resume
 #: Keys whose change on resume keeps the resumed run exact up to the change (cadence, length, logging, deadlines).
 _RESUME_SAFE_PREFIXES = ("logger.", "checkpointing.save_period", "checkpointing.keep_top_k", "checkpointing.enabled")
-_RESUME_SAFE_EXACT = ("checkpointing.checkpoint_must_save_by", "data_plane.call_timeout_s", "data_plane.init_timeout_s")
+_RESUME_SAFE_EXACT = (
+    "checkpointing.checkpoint_must_save_by",
+    "data_plane.call_timeout_s",
+    "data_plane.init_timeout_s",
+    "cluster.start_timeout_s",
+    "cluster.call_timeout_s",
+)
 _RESUME_SAFE_ROLLOUT = (
     "max_num_steps",
     "max_num_epochs",
