@@ -5,18 +5,33 @@ compiled call per step (matrix products still through ATen/MKL) cuts the step by
 at. The same library holds the inverse-CDF sampler and the RMSNorm / RoPE forward and backward kernels of the
 policy's full-sequence passes (`torch.ops.relayrl_cpu.*`).
 The library is compiled with the C++ toolchain torch uses for extensions (a C++ compiler and `ninja`), once per
-source, torch version and instruction set, into `~/.cache/relayrl/cpu_kernels/` (override with
+source, torch version and instruction set, into `~/.cache/relayrl/cpu_kernels/<key>/` (override with
 RELAYRL_KERNEL_CACHE); later processes only load it. When it cannot be built, `load_cpu_kernels()` returns False
 with a one-line reason logged, and callers keep the PyTorch formulation. RELAYRL_CPU_KERNELS=0 turns it off.
+
+No process ever waits forever on another's build. The library appears in the cache only through an atomic rename
+of a finished build, so a present file is complete and loading it takes no lock. A build runs in a child process
+(killed past RELAYRL_KERNEL_BUILD_TIMEOUT_S, default 600 s) inside a private temporary directory, while its
+process holds an flock on `<key>/build.flock`: the kernel releases that lock when its holder dies, kill -9
+included, so a killed build leaves nothing that blocks the next one (which removes the killed one's temporary
+directory); processes starting at the same time wait for one build instead of compiling side by side, and give up
+after the same time-out with a one-line message. torch's own `lock` file (its `load()` waits on it forever when a
+build was killed) is never used.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +45,10 @@ _LOG = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+LIBRARY = "relayrl_cpu_kernels.so"
+BUILD_LOCK = "build.flock"
+_TMP_PREFIX = ".build-"
+DEFAULT_BUILD_TIMEOUT_S = 600.0
 
 
 def _isa_flags() -> list[str]:
@@ -63,25 +82,106 @@ def build_and_load() -> bool:
         return False
     cflags = ["-O3", "-fopenmp-simd", "-ffp-contract=off", *_isa_flags()]
     try:
-        from torch.utils.cpp_extension import load
-
-        build = build_dir(cflags)
-        build.mkdir(parents=True, exist_ok=True)
-        if not (build / "relayrl_cpu_kernels.so").exists():  # say why this first call pauses
-            print(f"relayrl: building CPU kernels once (~15 s) into {build}", file=sys.stderr, flush=True)
-        load(
-            name="relayrl_cpu_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=cflags,
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler / ninja, or a failed build: callers keep the PyTorch ops
+        library = build_dir(cflags) / LIBRARY
+        if library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return True
+            except OSError:  # damaged (an older relayrl's build killed while linking in place): rebuilt below
+                library.unlink(missing_ok=True)
+        _build(library, cflags, _build_timeout_s())
+        torch.ops.load_library(str(library))
+    except Exception as exc:  # no compiler / ninja, a failed build, a time-out: callers keep the PyTorch ops
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _LOG.warning("relayrl: compiled CPU kernels unavailable (%s); using PyTorch ops", reason[:200])
         return False
     return True
+
+
+def _build_timeout_s() -> float:
+    raw = os.environ.get("RELAYRL_KERNEL_BUILD_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw.strip() else DEFAULT_BUILD_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"RELAYRL_KERNEL_BUILD_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    return value if value > 0 else DEFAULT_BUILD_TIMEOUT_S
+
+
+def _build(library: Path, cflags: list[str], timeout_s: float) -> None:
+    """Publish a freshly built `library` (unless a concurrent build did while this one waited for the lock)."""
+    folder = library.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(folder / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _flock_until(fd, folder, deadline, timeout_s)
+        if library.exists():  # built by the process this one waited for
+            return
+        for stale in folder.glob(f"{_TMP_PREFIX}*"):  # the lock holder alone builds: these are killed builds'
+            shutil.rmtree(stale, ignore_errors=True)
+        print(f"relayrl: building CPU kernels once (~15 s) into {folder}", file=sys.stderr, flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=folder))
+        try:
+            _compile(tmp, cflags, max(1.0, deadline - time.monotonic()))
+            os.replace(tmp / LIBRARY, library)  # atomic: the cache holds a complete library or none
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _flock_until(fd: int, folder: Path, deadline: float, timeout_s: float) -> None:
+    """Take the build lock, polling until `deadline`; then record this process as the builder."""
+    import fcntl
+
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                raise TimeoutError(
+                    f"{holder} has been building them in {folder} for over {timeout_s:g}s "
+                    "(RELAYRL_KERNEL_BUILD_TIMEOUT_S)"
+                ) from None
+            time.sleep(0.2)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+
+
+_COMPILE = """
+import json, sys
+from torch.utils.cpp_extension import load
+a = json.loads(sys.argv[1])
+load(name="relayrl_cpu_kernels", sources=[a["source"]], extra_cflags=a["cflags"], build_directory=a["dir"],
+     is_python_module=False, verbose=False)
+"""
+
+
+def _compile(directory: Path, cflags: list[str], timeout_s: float) -> None:
+    """Build the library into `directory` in a child process (its own session, killed whole past `timeout_s`)."""
+    args = json.dumps({"source": str(SOURCE), "cflags": cflags, "dir": str(directory)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _COMPILE, args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the compiler and ninja too go with a kill of the group
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise TimeoutError(f"building them took over {timeout_s:g}s (RELAYRL_KERNEL_BUILD_TIMEOUT_S)") from None
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode != 0 or not (directory / LIBRARY).exists():
+        lines = [ln.strip() for ln in out.decode(errors="replace").splitlines() if ln.strip()]
+        compiler = [ln for ln in lines if ": error:" in ln or ln.startswith("error:")]  # the first compiler error
+        raise RuntimeError((compiler or lines[-1:] or [f"build exited with code {proc.returncode}"])[0])
 
 
 # ------------------------------------------------------------------------------------- RMSNorm and RoPE
