@@ -312,6 +312,10 @@ class DataConfig(Strict):
 class MathEnvConfig(Strict):
     math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
     timeout_s: PositiveFloat = 5.0
+    """Per answer: a verification running longer is killed and scores 0 (counted as num_verify_timeouts)."""
+    batch_timeout_s: PositiveFloat = 60.0
+    """Per batch of answers sent to math-verify: once this much verification time is spent, the answers not yet
+    verified score 0, a warning line gives their count and num_verify_over_budget counts them."""
 
 
 class RewardModelEnvConfig(Strict):

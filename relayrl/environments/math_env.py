@@ -10,6 +10,10 @@ main thread and cannot interrupt a long C-level computation (sympy evaluating `9
 thread or an alarm can still hang the run. The child is killed when one verification exceeds `timeout_s` and a
 fresh one is started on demand. A verification that raises or times out scores 0 and is counted (`last_metrics`,
 and `num_verify_errors` / `num_verify_timeouts` in `global_post_process_and_metrics`).
+
+A batch has a budget too (`batch_timeout_s`): once that much verification time is spent on one batch, its answers
+not yet verified score 0 without being tried, one warning line gives their count, and `num_verify_over_budget`
+counts them; so a batch of answers that each take just under `timeout_s` cannot stall a step for hours.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 _SHORT_INT = re.compile(r"^-?\d{1,12}$")
 _CACHE_SIZE = 65536
 _STARTUP_TIMEOUT_S = 120.0  # importing sympy in a fresh interpreter on a busy machine
+_COUNTER = {"error": "num_verify_errors", "timeout": "num_verify_timeouts", "over_budget": "num_verify_over_budget"}
 
 
 def extract_boxed(text: str) -> str | None:
@@ -120,14 +125,21 @@ class _Verifier:
                 return None
             self._buffer += chunk
 
-    def run(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[tuple[float, str]]:
-        """(score, outcome) per pair, outcome one of ok / error / timeout."""
+    def run(
+        self, pairs: list[tuple[str, str]], timeout_s: float, batch_timeout_s: float = float("inf")
+    ) -> list[tuple[float, str]]:
+        """(score, outcome) per pair, outcome one of ok / error / timeout / over_budget (not tried: the batch had
+        spent `batch_timeout_s` verifying; the worker's start-up does not count)."""
         with self._lock:
-            return self._run(pairs, timeout_s)
+            return self._run(pairs, timeout_s, batch_timeout_s)
 
-    def _run(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[tuple[float, str]]:
+    def _run(self, pairs: list[tuple[str, str]], timeout_s: float, batch_timeout_s: float) -> list[tuple[float, str]]:
         out: list[tuple[float, str]] = []
+        spent = 0.0
         for gold, pred in pairs:
+            left = batch_timeout_s - spent
+            if left <= 0:
+                return self._over_budget(out, len(pairs), batch_timeout_s)
             if self._proc is None:
                 try:
                     self._start()
@@ -135,16 +147,21 @@ class _Verifier:
                     log.warning("math-verify worker failed to start (%s); scoring %d rows 0", e, len(pairs) - len(out))
                     return out + [(0.0, "error")] * (len(pairs) - len(out))
             assert self._proc is not None and self._proc.stdin is not None
+            cut = left < timeout_s  # this answer's wait ends with the batch budget, not its own time-out
+            started = time.monotonic()
             try:
                 payload = memoryview((json.dumps([gold, pred]) + "\n").encode())
                 while payload:  # unbuffered pipe writes may be partial
                     payload = payload[self._proc.stdin.write(payload) or 0 :]
-                reply = self._read_reply(timeout_s)
+                reply = self._read_reply(min(timeout_s, left))
             except OSError:  # broken pipe: the child died
                 reply = None
+            spent += time.monotonic() - started
             if reply is None:
                 timed_out = self._proc.poll() is None
                 self.close()  # the next pair goes to a fresh process
+                if timed_out and cut:  # this answer and the rest: over budget
+                    return self._over_budget(out, len(pairs), batch_timeout_s)
                 if timed_out:
                     log.warning("math-verify took over %.1fs; scoring 0", timeout_s)
                 out.append((0.0, "timeout" if timed_out else "error"))
@@ -152,6 +169,14 @@ class _Verifier:
             outcome, score = json.loads(reply)
             out.append((float(score), outcome))
         return out
+
+    @staticmethod
+    def _over_budget(out: list[tuple[float, str]], n: int, batch_timeout_s: float) -> list[tuple[float, str]]:
+        rest = n - len(out)
+        log.warning(
+            "math-verify spent the batch budget of %.1fs; scoring %d unverified answers 0", batch_timeout_s, rest
+        )
+        return out + [(0.0, "over_budget")] * rest
 
     def close(self) -> None:
         """Kill the child (idempotent)."""
@@ -178,7 +203,7 @@ class MathEnvironment(EnvironmentInterface):
         self.cfg = cfg or MathEnvConfig()
         self.last_metrics: dict[str, int] = {}
         # Counts since the last `global_post_process_and_metrics`, which reports and resets them.
-        self._pending = {"num_verify_errors": 0, "num_verify_timeouts": 0}
+        self._pending = {"num_verify_errors": 0, "num_verify_timeouts": 0, "num_verify_over_budget": 0}
         self._verifier = _Verifier()
         self._cache: OrderedDict[tuple[str, str], float] = OrderedDict()  # (gold, answer) -> verdict, LRU
 
@@ -201,9 +226,10 @@ class MathEnvironment(EnvironmentInterface):
                 rewards[i] = self._cache[key]
             else:
                 slow.setdefault(key, []).append(i)
-        counts = {"num_verify_errors": 0, "num_verify_timeouts": 0}
+        counts = {"num_verify_errors": 0, "num_verify_timeouts": 0, "num_verify_over_budget": 0}
         if slow:
-            for key, (score, outcome) in zip(slow, self._verifier.run(list(slow), self.cfg.timeout_s)):
+            verdicts = self._verifier.run(list(slow), self.cfg.timeout_s, self.cfg.batch_timeout_s)
+            for key, (score, outcome) in zip(slow, verdicts):
                 for i in slow[key]:
                     rewards[i] = score
                 if outcome == "ok":
@@ -211,7 +237,7 @@ class MathEnvironment(EnvironmentInterface):
                     if len(self._cache) > _CACHE_SIZE:
                         self._cache.popitem(last=False)
                 else:
-                    counts["num_verify_errors" if outcome == "error" else "num_verify_timeouts"] += len(slow[key])
+                    counts[_COUNTER[outcome]] += len(slow[key])
         return rewards, answers, counts
 
     def step(self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any] | None]) -> EnvironmentReturn:

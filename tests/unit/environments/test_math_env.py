@@ -41,7 +41,7 @@ def test_scores_correct_wrong_malformed_and_unboxed(env: MathEnvironment) -> Non
     assert out.answers == ["82", "81", None, None, "-33", "33", "\\frac{1}{2}"]
     assert [o["content"] for o in out.observations[:2]] == ["Environment: correct", "Environment: incorrect"]
     assert all(o["role"] == "environment" for o in out.observations)
-    assert env.last_metrics == {"num_verify_errors": 0, "num_verify_timeouts": 0}
+    assert env.last_metrics == {"num_verify_errors": 0, "num_verify_timeouts": 0, "num_verify_over_budget": 0}
 
 
 def test_response_is_all_assistant_messages_concatenated(env: MathEnvironment) -> None:
@@ -67,7 +67,7 @@ def test_verify_exception_scores_zero_and_is_counted(env: MathEnvironment) -> No
     env.global_post_process_and_metrics({"total_reward": torch.zeros(0), "message_log": []})  # reset counts
     out = _step(env, ["\\boxed{x+1}", "\\boxed{7}"], ["1/0", "7"])  # sympy cannot compare against zoo
     assert out.rewards.tolist() == [0.0, 1.0]
-    assert env.last_metrics == {"num_verify_errors": 1, "num_verify_timeouts": 0}
+    assert env.last_metrics == {"num_verify_errors": 1, "num_verify_timeouts": 0, "num_verify_over_budget": 0}
     _, metrics = env.global_post_process_and_metrics(
         {"total_reward": out.rewards, "message_log": [_log("a"), _log("b")]}
     )
@@ -95,7 +95,7 @@ def _timeout_case(env: MathEnvironment) -> tuple[list[float], float]:
 def test_timeout_is_bounded_and_counted(quick_env: MathEnvironment) -> None:
     rewards, elapsed = _timeout_case(quick_env)
     assert rewards == [0.0, 1.0, 1.0]
-    assert quick_env.last_metrics == {"num_verify_errors": 0, "num_verify_timeouts": 1}
+    assert quick_env.last_metrics == {"num_verify_errors": 0, "num_verify_timeouts": 1, "num_verify_over_budget": 0}
     assert elapsed < 30.0  # 0.5 s time-out plus one verifier restart on a busy machine
 
 
@@ -107,6 +107,49 @@ def test_timeout_from_a_worker_thread_is_bounded_and_counted(quick_env: MathEnvi
     assert box, "step hung in a worker thread"
     assert box[0][0] == [0.0, 1.0, 1.0]
     assert quick_env.last_metrics["num_verify_timeouts"] == 1
+
+
+def test_a_batch_past_its_time_budget_scores_the_rest_0_and_counts_them(monkeypatch, caplog) -> None:
+    """Every verification made artificially slow (0.4 s, well under the 5 s per-answer time-out): with a budget of
+    1 s per batch, the first answers are verified, the batch stops within about the budget, and the answers it
+    never tried score 0, are counted in num_verify_over_budget and named in one warning line."""
+    from relayrl.environments import math_env
+
+    slow_loop = math_env._WORKER_LOOP.replace("    try:\n", "    import time; time.sleep(0.4)\n    try:\n", 1)
+    assert slow_loop != math_env._WORKER_LOOP
+    monkeypatch.setattr(math_env, "_WORKER_LOOP", slow_loop)
+    env = MathEnvironment(MathEnvConfig(timeout_s=5.0, batch_timeout_s=1.0))
+    try:
+        env.step([_log("\\boxed{\\frac{1}{2}}")], [{"ground_truth": "0.5"}])  # start the worker off the clock
+        n = 12
+        responses = [f"\\boxed{{\\frac{{{k}}}{{7}}}}" for k in range(1, n + 1)]  # distinct, all correct
+        start = time.perf_counter()
+        with caplog.at_level("WARNING", logger=math_env.__name__):
+            out = _step(env, responses, [f"{k}/7" for k in range(1, n + 1)])
+        elapsed = time.perf_counter() - start
+        rewards = out.rewards.tolist()
+        counts = env.last_metrics
+        verified = sum(r == 1.0 for r in rewards)
+        assert counts["num_verify_over_budget"] >= n - 3 and verified + counts["num_verify_over_budget"] == n
+        assert counts["num_verify_timeouts"] == counts["num_verify_errors"] == 0
+        assert rewards[:verified] == [1.0] * verified and rewards[verified:] == [0.0] * (n - verified)
+        assert elapsed < 10.0  # ~1 s budget (+ one child kill); verifying all 12 would take ~5 s
+        budget_lines = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+        assert budget_lines == [
+            f"math-verify spent the batch budget of 1.0s; scoring {n - verified} unverified answers 0"
+        ]
+        _, metrics = env.global_post_process_and_metrics(
+            {"rewards": out.rewards, "message_log": [_log(r) for r in responses]}
+        )
+        assert metrics["num_verify_over_budget"] == n - verified
+        # a budget running out during the batch's last answer still scores every row
+        out = _step(
+            env, ["\\boxed{\\frac{1}{9}}", "\\boxed{\\frac{2}{9}}", "\\boxed{\\frac{4}{9}}"], ["1/9", "2/9", "4/9"]
+        )
+        assert len(out.rewards) == 3 and env.last_metrics["num_verify_over_budget"] >= 1
+        assert sum(out.rewards.tolist()) + env.last_metrics["num_verify_over_budget"] == 3
+    finally:
+        env.shutdown()
 
 
 def test_128_answers_verify_in_milliseconds(env: MathEnvironment) -> None:
