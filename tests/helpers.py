@@ -100,9 +100,11 @@ def ragged_batch(
     seq_len: int,
     returns: bool = False,
     prompt_len: int = 3,
+    advantages: bool = True,
 ) -> BatchedDataDict:
     """A right-padded policy-training batch of random tokens: the first `prompt_len` positions are a "prompt" the
-    loss ignores, one advantage per row (and per-token `returns` for a critic when asked), drawn from `seed`."""
+    loss ignores, one advantage per row (left out with `advantages=False`) and per-token `returns` for a critic when
+    asked, drawn from `seed` in that order."""
     g = torch.Generator().manual_seed(seed)
     rows = len(lengths)
     ids = torch.randint(2, vocab, (rows, seq_len), generator=g)  # [B, S]
@@ -114,11 +116,37 @@ def ragged_batch(
         input_lengths=lengths.clone(),
         token_mask=token_mask,
         sample_mask=sample_mask.clone(),
-        advantages=torch.randn(rows, 1, generator=g).expand(rows, seq_len).clone(),  # [B, S]
     )
+    if advantages:
+        batch["advantages"] = torch.randn(rows, 1, generator=g).expand(rows, seq_len).clone()  # [B, S]
     if returns:
         batch["returns"] = torch.randn(rows, seq_len, generator=g)
     return batch
+
+
+def rollout_like_batch(
+    lengths: list[int], vocab: int, pad_id: int, *, mult: int, seed: int = 0, logprob_scale: float = 1.0
+) -> BatchedDataDict:
+    """What the legacy rollout flatten produces: random tokens right-padded with `pad_id` to round_up(max, `mult`),
+    the first third of each row a prompt masked from the loss, generation log-probs in (-`logprob_scale`, 0] on the
+    loss tokens, every row i with i % 5 == 3 masked out; drawn from `seed`."""
+    from relayrl.data_plane.schema import round_up
+
+    g = torch.Generator().manual_seed(seed)
+    n, width = len(lengths), round_up(max(lengths), mult)
+    lens = torch.tensor(lengths)
+    real = torch.arange(width)[None, :] < lens[:, None]  # [B, S]
+    prompt = torch.arange(width)[None, :] < (lens // 3)[:, None]  # [B, S]
+    token_mask = (real & ~prompt).long()  # [B, S]
+    ids = torch.randint(3, vocab, (n, width), generator=g)  # [B, S], drawn before the log-probs
+    logprobs = -torch.rand(n, width, generator=g) * logprob_scale  # [B, S]
+    return BatchedDataDict(
+        input_ids=ids.masked_fill(~real, pad_id),  # [B, S]
+        input_lengths=lens,  # [B]
+        generation_logprobs=logprobs.masked_fill(token_mask == 0, 0.0),  # [B, S]
+        token_mask=token_mask,
+        sample_mask=torch.tensor([1.0 if i % 5 != 3 else 0.0 for i in range(n)]),  # [B]
+    )
 
 
 def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -227,43 +255,50 @@ def build_test_model(tokenizer: Any) -> torch.nn.Module:
     return build_tiny_qwen2(len(tokenizer), **TEST_MODEL)
 
 
-def save_test_reward_model(
-    path: Path,
-    tokenizer: Any,
+def build_reward_classifier(
+    vocab_size: int,
     *,
     seed: int,
     score_std: float | None = None,
+    num_labels: int = 1,
+    pad_token_id: int | None = 0,
     hidden_size: int = 64,
     num_layers: int = 2,
     intermediate_size: int = 128,
-) -> Path:
-    """A random one-label Qwen2 sequence classifier (4 heads, 2 KV heads, pad id 0) with `tokenizer`, saved as a
-    Hugging Face directory; `score_std` redraws the score head's weights with that spread (wider scores)."""
+) -> torch.nn.Module:
+    """A random Qwen2 sequence classifier (4 heads, 2 KV heads) drawn from `seed`; `score_std` redraws the score
+    head's weights with that spread (wider scores)."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=intermediate_size,
-        num_labels=1,
-        pad_token_id=0,
+        num_labels=num_labels,
+        pad_token_id=pad_token_id,
     )
     torch.manual_seed(seed)
     model = Qwen2ForSequenceClassification(config)
     if score_std is not None:
         with torch.no_grad():
             model.score.weight.normal_(0.0, score_std)
-    model.save_pretrained(path)
+    return model
+
+
+def save_test_reward_model(path: Path, tokenizer: Any, *, seed: int, **sizes: Any) -> Path:
+    """A random one-label `build_reward_classifier` (pad id 0; `sizes`: score_std and the model sizes) for
+    `tokenizer`, saved with it as a Hugging Face directory."""
+    build_reward_classifier(len(tokenizer), seed=seed, **sizes).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
-def small_policy_config(model_dir: Path, **keys: Any) -> Any:
-    """A PolicyConfig for `model_dir` with global batches of 4 in micro-batches of 2 and lr 1e-2; `keys` replace or
-    add top-level fields (dicts for nested blocks)."""
+def small_policy_config(model_dir: Path, config_cls: Any = None, **keys: Any) -> Any:
+    """A PolicyConfig (or `config_cls`: ValueConfig takes the same keys) for `model_dir` with global batches of 4 in
+    micro-batches of 2 and lr 1e-2; `keys` replace or add top-level fields (dicts for nested blocks)."""
     from relayrl.config import PolicyConfig
 
     base: dict[str, Any] = dict(
@@ -272,7 +307,7 @@ def small_policy_config(model_dir: Path, **keys: Any) -> Any:
         train_micro_batch_size=2,
         optimizer={"kwargs": {"lr": 1e-2}},
     )
-    return PolicyConfig.model_validate({**base, **keys})
+    return (config_cls or PolicyConfig).model_validate({**base, **keys})
 
 
 def with_rl_keys(policy: Any, data: BatchedDataDict) -> BatchedDataDict:

@@ -19,18 +19,11 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.parallelize import DataParallel, decoder_layers
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import load_causal_lm
+from tests.helpers import small_policy_config
 
 
 def policy_config(model_dir: Path, strategy: str) -> PolicyConfig:
-    return PolicyConfig.model_validate(
-        dict(
-            model_name=str(model_dir),
-            train_global_batch_size=4,
-            train_micro_batch_size=2,
-            optimizer={"kwargs": {"lr": 1e-2}},
-            data_parallel={"strategy": strategy},
-        )
-    )
+    return small_policy_config(model_dir, data_parallel={"strategy": strategy})
 
 
 def nll_batch(vocab: int) -> BatchedDataDict:

@@ -18,6 +18,7 @@ from relayrl.models.tiny import (
     count_parameters,
     save_tiny_model,
 )
+from tests.helpers import build_test_model
 
 SHIPPED = Path(__file__).resolve().parents[3] / "relayrl" / "assets" / "tiny-arith"
 
@@ -104,15 +105,7 @@ def test_build_leaves_global_rng_alone(char_tokenizer) -> None:
 
 def test_save_load_identical(tiny_model_dir: Path, char_tokenizer) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    again = build_tiny_qwen2(
-        vocab_size=len(char_tokenizer),
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        seed=0,
-    )
+    again = build_test_model(char_tokenizer)  # what conftest saved as tiny_model_dir
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "37+45="}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -19,21 +19,14 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.generation.distributed import DistributedGeneration, contiguous_bounds
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.policy.lm_policy import Policy
+from tests.helpers import small_policy_config
 
 PROMPTS = ["12+34=", "7-3=", "hello world!", "ab", "99-1=", "x", "5+5=", "abc"]
 GEN = dict(max_new_tokens=8, temperature=1.3, top_k=30, stop_strings=["e", "1", " "])
 
 
 def policy_config(model_dir: Path, **generation: Any) -> PolicyConfig:
-    return PolicyConfig.model_validate(
-        dict(
-            model_name=str(model_dir),
-            train_global_batch_size=4,
-            train_micro_batch_size=2,
-            optimizer={"kwargs": {"lr": 1e-2}},
-            generation={**GEN, **generation},
-        )
-    )
+    return small_policy_config(model_dir, generation={**GEN, **generation})
 
 
 def prompt_batch(tokenizer: Any) -> BatchedDataDict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.generation.sampling import TokenSampler, apply_top_k_top_p
 from relayrl.models.tiny import build_tiny_qwen2
+from tests.helpers import build_test_model
+from tests.unit.models.fast.builders import SHAPE
 
 PROMPTS = ["12+34=", "7-3=", "hello world!", "ab", "99-1=", "x"]
 
@@ -41,16 +44,7 @@ def _sharpen(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def qwen2(char_tokenizer) -> torch.nn.Module:
-    model = build_tiny_qwen2(
-        vocab_size=len(char_tokenizer),
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        seed=0,
-    )
-    return _sharpen(model)
+    return _sharpen(build_test_model(char_tokenizer))
 
 
 def _batch(tokenizer, prompts: list[str], stop_strings: list | None = None) -> BatchedDataDict:
@@ -88,40 +82,19 @@ def _hf_greedy(model, prompt_ids: list[int], max_new: int, eos: int | list[int] 
 
 
 # ---------------------------------------------------------------------------------------------------- greedy
-def _llama(vocab: int) -> torch.nn.Module:
+def _hf_model(model_cls: type, config_cls: type, vocab: int, **keys: Any) -> torch.nn.Module:
+    """A sharpened random model of the fast-path tests' geometry (tests/unit/models/fast/builders.SHAPE) for `vocab`
+    tokens, with room for 128 positions and `keys` on top."""
     torch.manual_seed(0)
-    return _sharpen(
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=vocab,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=1,
-                intermediate_size=96,
-                max_position_embeddings=128,
-                attention_bias=True,
-            )
-        )
-    )
+    return _sharpen(model_cls(config_cls(**{**SHAPE, "vocab_size": vocab, "max_position_embeddings": 128, **keys})))
+
+
+def _llama(vocab: int) -> torch.nn.Module:
+    return _hf_model(LlamaForCausalLM, LlamaConfig, vocab, num_key_value_heads=1, attention_bias=True)
 
 
 def _qwen3(vocab: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return _sharpen(
-        Qwen3ForCausalLM(
-            Qwen3Config(
-                vocab_size=vocab,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=24,
-                intermediate_size=96,
-                max_position_embeddings=128,
-            )
-        )
-    )
+    return _hf_model(Qwen3ForCausalLM, Qwen3Config, vocab, num_key_value_heads=2, head_dim=24)
 
 
 def _gpt2(vocab: int) -> torch.nn.Module:
@@ -331,17 +304,8 @@ def test_stale_weights_refused_until_prepare_colocated(char_tokenizer, qwen2) ->
 
 
 def test_non_colocated_copy_refits_only_on_prepare(char_tokenizer) -> None:
-    policy = _sharpen(
-        build_tiny_qwen2(
-            vocab_size=len(char_tokenizer),
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=2,
-            intermediate_size=64,
-        ),
-        seed=5,
-    )
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    policy = _sharpen(build_tiny_qwen2(len(char_tokenizer), **sizes), seed=5)
     source = Source(policy)
     cfg = GenerationConfig(max_new_tokens=8, stop_token_ids=[], colocated=ColocatedConfig(enabled=False))
     engine = HfGeneration(cfg, char_tokenizer, source)

@@ -7,30 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from transformers import Qwen2ForSequenceClassification
 
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.reward_model import RewardModelPolicy
+from tests.helpers import build_reward_classifier
 
 B, S = 6, 10
 LENGTHS = torch.tensor([10, 4, 7, 1, 9, 2])
 
 
 def tiny_classifier(vocab: int, num_labels: int = 1, pad_token_id: int | None = 0) -> Qwen2ForSequenceClassification:
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_labels=num_labels,
-        pad_token_id=pad_token_id,
-    )
-    torch.manual_seed(2)
-    model = Qwen2ForSequenceClassification(config)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)  # spread the scores so row mix-ups cannot hide
+    # score_std 1: spread the scores so row mix-ups cannot hide
+    model = build_reward_classifier(vocab, seed=2, score_std=1.0, num_labels=num_labels, pad_token_id=pad_token_id)
     return model.eval()
 
 

@@ -16,12 +16,14 @@ from relayrl.data_plane.column_io import first_write
 from relayrl.data_plane.factory import build_data_plane_client
 from relayrl.data_plane.interfaces import DataPlaneClient, DataPlaneClosedError, KVBatchMeta
 from relayrl.data_plane.preshard import shard_meta_for_dp
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS, GLOBAL_FORWARD_PAD_SEQLEN, PAD_TO_MULTIPLE, round_up
+from relayrl.data_plane.schema import DP_TRAIN_FIELDS, GLOBAL_FORWARD_PAD_SEQLEN, PAD_TO_MULTIPLE
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.tq_policy import TQPolicy, _aggregate_train_results
 from relayrl.models.policy.tq_worker import TQPolicyWorker
 from relayrl.models.tq_facade import DataPlaneLeakError
+from tests import helpers
+from tests.helpers import small_policy_config
 
 DP_CFG = DataPlaneConfig(enabled=True, backend="memory", storage_capacity=10_000)
 MULT = 4  # make_sequence_length_divisible_by
@@ -29,33 +31,13 @@ BULK = ("input_ids", "input_lengths", "generation_logprobs", "token_mask", "samp
 
 
 def make_config(model_dir: Path, **overrides: Any) -> PolicyConfig:
-    base: dict[str, Any] = dict(
-        model_name=str(model_dir),
-        train_global_batch_size=8,
-        train_micro_batch_size=2,
-        logprob_batch_size=3,
-        make_sequence_length_divisible_by=MULT,
-        optimizer={"kwargs": {"lr": 1e-2}},
-    )
-    base.update(overrides)
-    return PolicyConfig.model_validate(base)
+    keys = dict(train_global_batch_size=8, logprob_batch_size=3, make_sequence_length_divisible_by=MULT)
+    return small_policy_config(model_dir, **{**keys, **overrides})
 
 
 def rollout_like_batch(lengths: list[int], vocab: int, pad_id: int, seed: int = 0) -> BatchedDataDict:
-    """What the legacy flatten produces: right-padded to round_up(max, MULT), prompt tokens masked from the loss."""
-    g = torch.Generator().manual_seed(seed)
-    n, width = len(lengths), round_up(max(lengths), MULT)
-    lens = torch.tensor(lengths)
-    real = torch.arange(width)[None, :] < lens[:, None]  # [B, S]
-    prompt = torch.arange(width)[None, :] < (lens // 3)[:, None]  # [B, S]
-    token_mask = (real & ~prompt).long()  # [B, S]
-    return BatchedDataDict(
-        input_ids=torch.randint(3, vocab, (n, width), generator=g).masked_fill(~real, pad_id),  # [B, S]
-        input_lengths=lens,  # [B]
-        generation_logprobs=(-torch.rand(n, width, generator=g) * 2).masked_fill(token_mask == 0, 0.0),  # [B, S]
-        token_mask=token_mask,
-        sample_mask=torch.tensor([1.0 if i % 5 != 3 else 0.0 for i in range(n)]),  # [B]
-    )
+    """What the legacy flatten produces (tests.helpers.rollout_like_batch), generation log-probs in (-2, 0]."""
+    return helpers.rollout_like_batch(lengths, vocab, pad_id, mult=MULT, seed=seed, logprob_scale=2.0)
 
 
 def seed_step(policy: TQPolicy, batch: BatchedDataDict, group_size: int = 2) -> tuple[KVBatchMeta, DataPlaneClient]:

@@ -7,41 +7,31 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config, Qwen2ForSequenceClassification
+from transformers import AutoModel, AutoModelForCausalLM, Qwen2ForSequenceClassification
 
 from relayrl.algorithms.value_loss import MseValueLossFn, explained_variance
 from relayrl.config import ClusterConfig, PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.value.lm_value import Value, ValueConfig
 from relayrl.models.value.worker import VALUE_HEAD_FILE
+from tests.helpers import max_abs_diff, ragged_batch, save_test_reward_model, small_policy_config
 
 B, S = 8, 12
 LENGTHS = torch.tensor([12, 5, 7, 2, 12, 9, 3, 10])  # ragged, right-padded
+SAMPLE_MASK = torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1])
 
 
 def make_config(model_dir: Path, **overrides: Any) -> ValueConfig:
-    base: dict[str, Any] = dict(
-        model_name=str(model_dir), train_global_batch_size=8, train_micro_batch_size=2, max_grad_norm=1.0
+    return small_policy_config(
+        model_dir, ValueConfig, **{"train_global_batch_size": 8, "max_grad_norm": 1.0, **overrides}
     )
-    base["optimizer"] = {"kwargs": {"lr": 1e-2}}
-    base.update(overrides)
-    return ValueConfig.model_validate(base)
 
 
 def make_batch(vocab: int, seed: int = 0) -> BatchedDataDict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, vocab, (B, S), generator=g)  # [B, S]
-    real = torch.arange(S)[None, :] < LENGTHS[:, None]  # [B, S]
-    ids = ids.masked_fill(~real, 0)
-    token_mask = real.float()
-    token_mask[:, :3] = 0.0  # a "prompt" the loss must ignore
-    return BatchedDataDict(
-        input_ids=ids,
-        input_lengths=LENGTHS.clone(),
-        token_mask=token_mask,
-        sample_mask=torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1]),
-        returns=torch.randn(B, S, generator=g) * real,  # [B, S]
-    )
+    """LENGTHS rows, row 3 masked out, the first 3 tokens a "prompt" the loss must ignore; returns 0 at padding."""
+    data = ragged_batch(vocab, seed, LENGTHS, SAMPLE_MASK, seq_len=S, returns=True, advantages=False)
+    data["returns"] = data["returns"] * (torch.arange(S)[None, :] < LENGTHS[:, None])  # [B, S]
+    return data
 
 
 def with_old_values(value: Value, data: BatchedDataDict) -> BatchedDataDict:
@@ -76,21 +66,7 @@ def vocab(char_tokenizer) -> int:
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> Path:
-    config = Qwen2Config(
-        vocab_size=len(char_tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        num_labels=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(1)
-    model = Qwen2ForSequenceClassification(config)
-    path = tmp_path_factory.mktemp("tiny_rm")
-    model.save_pretrained(path)
-    return path
+    return save_test_reward_model(tmp_path_factory.mktemp("tiny_rm"), char_tokenizer, seed=1)
 
 
 # ---------------------------------------------------------------------------------------------- get_values
@@ -158,19 +134,18 @@ def test_bfloat16_autocast_keeps_float32_master_weights(tiny_model_dir, char_tok
 def test_gradient_accumulation_matches_full_batch(tiny_model_dir, char_tokenizer, vocab) -> None:
     loss_fn = MseValueLossFn(scale=1.0, value_clip=0.03)  # old values are 0.05-noisy: some tokens clip
     cfg = make_config(tiny_model_dir, optimizer={"kwargs": {"lr": 1e-4}})
-    results, finals = [], []
-    for mbs in (2, 8):
+
+    def train_in_micro_batches_of(mbs: int) -> tuple[dict, dict[str, torch.Tensor]]:
         value = Value(cfg, char_tokenizer)
-        start = weights(value)
-        data = with_old_values(value, make_batch(vocab))
-        results.append(value.train(data, loss_fn, gbs=8, mbs=mbs))
-        finals.append(weights(value))
-    acc, full = results
+        res = value.train(with_old_values(value, make_batch(vocab)), loss_fn, gbs=8, mbs=mbs)
+        return res, weights(value)
+
+    start = weights(Value(cfg, char_tokenizer))
+    (acc, acc_weights), (full, full_weights) = train_in_micro_batches_of(2), train_in_micro_batches_of(8)
     assert acc["loss"].shape == (1,) and torch.allclose(acc["loss"], full["loss"], atol=1e-6)
     assert abs(float(acc["grad_norm"]) - float(full["grad_norm"])) <= 1e-5
-    assert max(float((finals[0][k] - start[k]).abs().max()) for k in start) > 5e-5  # the step did something
-    for name in finals[0]:
-        assert (finals[0][name] - finals[1][name]).abs().max() <= 1e-6, name
+    assert max_abs_diff(acc_weights, start) > 5e-5  # the step did something
+    assert max_abs_diff(acc_weights, full_weights) <= 1e-6
     assert len(acc["all_mb_metrics"]["loss"]) == 4 and len(full["all_mb_metrics"]["loss"]) == 1
     batch = make_batch(vocab)
     n_tok = float((batch["token_mask"] * batch["sample_mask"][:, None]).sum())

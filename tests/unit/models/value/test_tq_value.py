@@ -16,11 +16,12 @@ from relayrl.config import ClusterConfig, DataPlaneConfig, ValueConfig
 from relayrl.data_plane.column_io import first_write
 from relayrl.data_plane.factory import build_data_plane_client
 from relayrl.data_plane.interfaces import DataPlaneClient, DataPlaneClosedError, KVBatchMeta, UnknownFieldError
-from relayrl.data_plane.schema import round_up
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.tq_facade import DataPlaneLeakError
 from relayrl.models.value.lm_value import Value
 from relayrl.models.value.tq_value import PPO_TRAIN_FIELDS, TQValue
+from tests import helpers
+from tests.helpers import small_policy_config
 
 DP_CFG = DataPlaneConfig(enabled=True, backend="memory", storage_capacity=10_000)
 MULT = 4
@@ -29,33 +30,14 @@ BULK = ("input_ids", "input_lengths", "generation_logprobs", "token_mask", "samp
 
 
 def make_config(model_dir: Path) -> ValueConfig:
-    return ValueConfig.model_validate(
-        dict(
-            model_name=str(model_dir),
-            train_global_batch_size=8,
-            train_micro_batch_size=2,
-            logprob_batch_size=3,
-            optimizer={"kwargs": {"lr": 1e-2}},
-        )
-    )
+    return small_policy_config(model_dir, ValueConfig, train_global_batch_size=8, logprob_batch_size=3)
 
 
 def rollout_like_batch(vocab: int, pad_id: int, seed: int = 0) -> BatchedDataDict:
-    """Right-padded to round_up(max, MULT) as the flatten pads; the first third of each row is the prompt."""
-    g = torch.Generator().manual_seed(seed)
-    n, width = len(LENGTHS), round_up(max(LENGTHS), MULT)
-    lens = torch.tensor(LENGTHS)
-    real = torch.arange(width)[None, :] < lens[:, None]  # [B, S]
-    prompt = torch.arange(width)[None, :] < (lens // 3)[:, None]  # [B, S]
-    token_mask = (real & ~prompt).long()  # [B, S]
-    return BatchedDataDict(
-        input_ids=torch.randint(3, vocab, (n, width), generator=g).masked_fill(~real, pad_id),  # [B, S]
-        input_lengths=lens,  # [B]
-        generation_logprobs=(-torch.rand(n, width, generator=g)).masked_fill(token_mask == 0, 0.0),  # [B, S]
-        token_mask=token_mask,
-        sample_mask=torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1]),  # [B]
-        rewards=torch.tensor([1.0, 0, 1, 1, 0, 0, 1, 0]),  # [B]
-    )
+    """LENGTHS as the flatten pads them (tests.helpers.rollout_like_batch: row 3 masked out), with rewards."""
+    batch = helpers.rollout_like_batch(LENGTHS, vocab, pad_id, mult=MULT, seed=seed)
+    batch["rewards"] = torch.tensor([1.0, 0, 1, 1, 0, 0, 1, 0])  # [B]
+    return batch
 
 
 @pytest.fixture
