@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 import torch
 
 from relayrl.distributed.interfaces import Collective, WorkerGroup
 from relayrl.distributed.local import LocalWorkerGroup, SingleProcessCollective, ThreadCollective
+from tests.unit.distributed.toy_worker import CollectiveToyWorker
 
 
-class ToyWorker:
+class ToyWorker(CollectiveToyWorker):
     """Holds a rank-dependent tensor; methods exercise every collective."""
 
     def __init__(self, *, rank: int, comm: Collective, scale: float = 1.0) -> None:
@@ -23,19 +23,6 @@ class ToyWorker:
 
     def whoami(self, suffix: str = "") -> str:
         return f"rank{self.rank}/{self.comm.world_size}{suffix}"
-
-    def total(self) -> torch.Tensor:
-        t = self.value.clone()
-        self.comm.all_reduce_sum(t)
-        return t
-
-    def take_from(self, src: int) -> torch.Tensor:
-        t = self.value.clone()
-        self.comm.broadcast(t, src=src)
-        return t
-
-    def gather(self, obj: Any) -> list[Any]:
-        return self.comm.all_gather_object((self.rank, obj))
 
     def double(self, shard: list[int]) -> list[int]:
         return [2 * x for x in shard]

@@ -19,13 +19,14 @@ import torch
 
 from relayrl.config import ClusterConfig
 from relayrl.distributed.interfaces import Collective, WorkerGroup
+from tests.unit.distributed.toy_worker import CollectiveToyWorker
 
 ray = pytest.importorskip("ray")
 
 CLUSTER = ClusterConfig(executor="ray", workers_per_node=2, torch_num_threads=1)
 
 
-class ToyWorker:
+class ToyWorker(CollectiveToyWorker):
     """Holds a rank-dependent tensor; methods exercise the env, every collective and failure paths."""
 
     def __init__(self, *, rank: int, comm: Collective, scale: float = 1.0) -> None:
@@ -39,19 +40,6 @@ class ToyWorker:
 
     def scaled(self, shard: list[int], factor: int = 1) -> list[int]:
         return [factor * x + self.rank for x in shard]
-
-    def total(self) -> torch.Tensor:
-        t = self.value.clone()
-        self.comm.all_reduce_sum(t)
-        return t
-
-    def take_from(self, src: int) -> torch.Tensor:
-        t = self.value.clone()
-        self.comm.broadcast(t, src=src)
-        return t
-
-    def gather(self, obj: Any) -> list[Any]:
-        return self.comm.all_gather_object((self.rank, obj))
 
     def sleep_then_total(self, seconds: float) -> torch.Tensor:
         time.sleep(seconds)
@@ -82,8 +70,11 @@ def pid_alive(pid: int) -> bool:
         return fh.read().split(")")[-1].split()[0] != "Z"
 
 
-def assert_released(group: Any, within_s: float = 30.0) -> None:
-    """Every rank's process has exited and the placement group is removed."""
+def assert_torn_down(group: Any, run: Any, within_s: float = 30.0) -> None:
+    """`run` (run_all or run_rank0) refuses the shut-down group, every rank's process has exited and the placement
+    group is removed."""
+    with pytest.raises(RuntimeError, match="shut down"):
+        run(ToyWorker.total)
     deadline = time.monotonic() + within_s
     while any(pid_alive(p) for p in group.pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -124,9 +115,7 @@ def test_dispatch_env_collectives_errors_and_shutdown(ray_cluster: None) -> None
         with pytest.raises(ValueError, match="rank 1 failed on purpose"):
             group.run_all(ToyWorker.fail_on, 1)
         assert time.monotonic() - start < 30
-        with pytest.raises(RuntimeError, match="shut down"):
-            group.run_all(ToyWorker.total)
-        assert_released(group)
+        assert_torn_down(group, group.run_all)
     finally:
         group.shutdown()
     assert group.shutdown()  # idempotent
@@ -154,9 +143,7 @@ def test_killed_rank_is_named_within_bounded_time(ray_cluster: None, how: str) -
             group.run_all(ToyWorker.sleep_then_total, 6.0)  # rank 0 ends up blocked in the all-reduce
         timer.join()
         assert time.monotonic() - ref_start < 60
-        with pytest.raises(RuntimeError, match="shut down"):
-            group.run_rank0(ToyWorker.total)
-        assert_released(group)
+        assert_torn_down(group, group.run_rank0)
     finally:
         group.shutdown()
 
