@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -158,16 +158,17 @@ def check_equal(got: Column, want: Column, what: str) -> None:
         raise AssertionError(f"bit-exact check failed: {what}")
 
 
-def step_local(
-    name: str,
-    client: Any,
-    keys: list[str],
-    fields: dict[str, Column],
-    shards: list[KVBatchMeta],
-    step: int,
-    verify: bool,
-) -> dict[str, float]:
+class StepBatch(NamedTuple):
+    """What every timed step puts: the samples' keys, their columns, and the DP shards of their metadata."""
+
+    keys: list[str]
+    fields: dict[str, Column]
+    shards: list[KVBatchMeta]
+
+
+def step_local(name: str, client: Any, batch: StepBatch, step: int, verify: bool) -> dict[str, float]:
     """torch floor or memory: the driver fetches all 4 shards and writes all 4 write-backs."""
+    keys, fields, shards = batch
     times: dict[str, float] = {}
     is_floor = isinstance(client, TorchFloor)
     shard_lens = [torch.tensor(s.sequence_lengths) for s in shards]
@@ -189,18 +190,12 @@ def step_local(
 
 
 def step_remote(
-    name: str,
-    client: Any,
-    workers: list[Any],
-    keys: list[str],
-    fields: dict[str, Column],
-    shards: list[KVBatchMeta],
-    step: int,
-    verify: bool,
+    name: str, client: Any, workers: list[Any], batch: StepBatch, step: int, verify: bool
 ) -> dict[str, float]:
     """ray or transfer_queue: 4 worker actors fetch and write back at the same time."""
     import ray
 
+    keys, fields, shards = batch
     times: dict[str, float] = {}
     times["put"] = _timed(lambda: client.put_samples(keys, PID, fields))
     times["get_dp4"] = _timed(lambda: ray.get([w.fetch.remote(name, s) for w, s in zip(workers, shards)]))
@@ -297,9 +292,9 @@ def main() -> None:
             for b in order:
                 verify = rep == 0
                 if b in remote:
-                    t = step_remote(b, clients[b], workers, keys, fields, shards, rep, verify)
+                    t = step_remote(b, clients[b], workers, StepBatch(keys, fields, shards), rep, verify)
                 else:
-                    t = step_local(b, clients[b], keys, fields, shards, rep, verify)
+                    t = step_local(b, clients[b], StepBatch(keys, fields, shards), rep, verify)
                 if rep >= args.warmup:
                     results[b].append(t)
         print("bit-exact round trip verified on the first step of every backend")

@@ -22,19 +22,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from train_step import warmup_step  # scripts/train_step.py (this script's own folder)
 from transformers import PreTrainedTokenizerFast, Qwen2ForSequenceClassification
 
 from relayrl.config import RewardModelEnvConfig
 from relayrl.environments.reward_model_env import RewardModelEnvironment, concatenation_renderer
-from relayrl.experience.arithmetic import (
-    DEFAULT_NUM_VAL,
-    HELD_OUT_SEED,
-    ArithmeticProblem,
-    all_problems,
-    format_answer,
-    is_correct,
-    split_problems,
-)
+from relayrl.experience import arithmetic
+from relayrl.experience.arithmetic import ArithmeticProblem, all_problems, format_answer, is_correct, split_problems
 from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_parameters
 from relayrl.utils.paths import resolve_model_path
 
@@ -235,13 +229,8 @@ def train(args: argparse.Namespace) -> tuple[Qwen2ForSequenceClassification, Pre
     while step < args.max_steps and time.perf_counter() - start < args.max_seconds:
         problems = rng.sample(train_set, args.batch_size // 2)
         input_ids, lengths, labels = encode(tokenizer, make_examples(problems, rng, policy_errors, args.policy_frac))
-        for group in optim.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup_steps)
         loss = loss_fn(scores(model, input_ids, lengths), labels)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        warmup_step(model, optim, loss, step, args)
         step += 1
         if step % args.eval_every == 0:
             shown = "  ".join(f"{k} {v:.3f}" for k, v in evaluate(model, val_data).items())
@@ -279,7 +268,7 @@ its blind spots (reward hacking), which validation with the math verifier expose
 ## How it was made
 
 {init}; trained with a logistic loss on balanced batches of {args.batch_size} replies to problems of the
-*training split* (the {args.num_val} held-out problems, `HELD_OUT_SEED={HELD_OUT_SEED}`, are never seen): for each
+*training split* (the {args.num_val} held-out problems, `HELD_OUT_SEED={arithmetic.HELD_OUT_SEED}`, are never seen): for each
 problem the correct reply and one wrong reply.{policy} 55% near misses such as ±1/±10, 20% digit slips, 15% random
 numbers, 10% malformed. AdamW, lr {args.lr}, {args.warmup_steps} warmup steps, {stats["steps"]} steps
 ({stats["seconds"]:.0f} s on CPU including sampling, {args.threads} thread(s)).
@@ -330,7 +319,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--max-seconds", type=float, default=600.0, help="safety cap; a capped run is not reproducible")
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--num-val", type=int, default=DEFAULT_NUM_VAL)
+    p.add_argument("--num-val", type=int, default=arithmetic.DEFAULT_NUM_VAL)
     p.add_argument("--threads", type=int, default=1)
     return p.parse_args(argv)
 

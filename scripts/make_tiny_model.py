@@ -17,17 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from train_step import warmup_step  # scripts/train_step.py (this script's own folder)
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from relayrl.experience.arithmetic import (
-    DEFAULT_NUM_VAL,
-    HELD_OUT_SEED,
-    ArithmeticProblem,
-    all_problems,
-    format_answer,
-    is_correct,
-    split_problems,
-)
+from relayrl.experience import arithmetic
+from relayrl.experience.arithmetic import ArithmeticProblem, all_problems, format_answer, is_correct, split_problems
 from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_parameters, save_tiny_model
 
 IGNORE = -100
@@ -116,15 +110,10 @@ def train(args: argparse.Namespace) -> tuple[Qwen2ForCausalLM, PreTrainedTokeniz
         idx = order[cursor : cursor + args.batch_size]
         cursor += args.batch_size
         width = int(attention[idx].sum(1).max())
-        for group in optim.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup_steps)
         loss = model(
             input_ids=input_ids[idx, :width], attention_mask=attention[idx, :width], labels=labels[idx, :width]
         ).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        warmup_step(model, optim, loss, step, args)
         step += 1
         if step % args.eval_every == 0:
             acc = exact_accuracy(greedy_completions(model, tokenizer, val_set), val_set)
@@ -166,7 +155,7 @@ RL post-training (GRPO/PPO) can visibly improve in minutes.
 
 Random init (seed {args.seed}), then a supervised warm start on the *training split* of the arithmetic task
 (`relayrl.experience.arithmetic`: all `a{{op}}b=` with operands {args.min_operand}..{args.max_operand} and {ops};
-{int(stats["train_size"])} training problems, {args.num_val} held out with `HELD_OUT_SEED={HELD_OUT_SEED}` and never
+{int(stats["train_size"])} training problems, {args.num_val} held out with `HELD_OUT_SEED={arithmetic.HELD_OUT_SEED}` and never
 trained on). Each example is the user message `37+45=` and the assistant reply `\\boxed{{82}}`, rendered with
 the chat template; cross-entropy only on the reply and its closing `<|end|>`. AdamW, lr {args.lr}, batch
 {args.batch_size}, {args.warmup_steps} warmup steps, stopped at the first evaluation (every {args.eval_every}
@@ -193,7 +182,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--target-low", type=float, default=0.30)
     p.add_argument("--target-high", type=float, default=0.45)
-    p.add_argument("--num-val", type=int, default=DEFAULT_NUM_VAL)
+    p.add_argument("--num-val", type=int, default=arithmetic.DEFAULT_NUM_VAL)
     p.add_argument("--min-operand", type=int, default=10)
     p.add_argument("--max-operand", type=int, default=99)
     # One thread: on a shared, oversubscribed CPU two intra-op threads measured ~15x slower per step, not faster.
