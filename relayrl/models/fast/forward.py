@@ -16,6 +16,12 @@ unchanged:
 Positions at or past a row's length come back as zeros (HF would return values nobody reads). A row of length 0 is
 treated as length 1, as the HF path's attention mask does. Models the fast path cannot reproduce exactly, module
 hooks (e.g. FP8 calibration), and attention dropout while training go through HF's forward instead.
+
+`packed=True` (sequence packing: a micro-batch that is a bin of sequences of very different lengths) runs each
+sequence's attention on its own, positions restarting at 0 per sequence: on the fast path the packed tokens are
+already one concatenated stream, and attention runs per group of similar-length rows (`packing.RowGroups`); on HF's
+path the rows are concatenated into one packed row with restarting position ids and a block-diagonal causal mask.
+Every real token's result is the unpacked one's, up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
-from relayrl.models.fast.packing import PaddedPacking, SharedPacking
+from relayrl.models.fast.packing import PaddedPacking, RowGroups, SharedPacking
 from relayrl.models.fast.support import Layer, backbone_of, fast_path_unsupported, input_grads_hooked, read_layer
 
 
@@ -49,20 +55,27 @@ def backbone_hidden_states(
     *,
     fast: bool | None = None,
     native: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Final hidden states [B, S, H] of right-padded rows (after the final norm); fast path when it is exact.
 
     `fast`: None picks the fast path whenever `fast_path_unsupported` allows it, False forces HF, True raises
-    when the fast path is unavailable. Values at positions >= a row's length are unspecified (zero when fast).
-    `native`: on a float32 CPU model, the fast path runs RMSNorm and RoPE as relayrl's compiled kernels.
+    when the fast path is unavailable. Values at positions >= a row's length are unspecified (zero when fast or
+    packed). `native`: on a float32 CPU model, the fast path runs RMSNorm and RoPE as relayrl's compiled kernels.
+    `packed`: per-sequence attention over the rows as one packed stream (sequence packing).
     """
     if not use_fast_path(model, fast):
-        return hf_hidden_states(model, input_ids, input_lengths)
-    return fast_hidden_states(model, input_ids, input_lengths, native=native)
+        return hf_hidden_states(model, input_ids, input_lengths, packed=packed)
+    return fast_hidden_states(model, input_ids, input_lengths, native=native, packed=packed)
 
 
-def hf_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-    """HF's own forward: attention limited to each row's real tokens, position ids = arange per row."""
+def hf_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, packed: bool = False
+) -> torch.Tensor:
+    """HF's own forward: attention limited to each row's real tokens, position ids = arange per row (`packed`: the
+    rows as one packed row, see `hf_packed_hidden_states`)."""
+    if packed:
+        return hf_packed_hidden_states(model, input_ids, input_lengths)
     batch, seq = input_ids.shape
     positions = torch.arange(seq, device=input_ids.device)  # [S]
     # Position 0 is always attended so an empty row cannot produce an all-masked (NaN) attention row.
@@ -75,10 +88,37 @@ def hf_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: t
     return out.last_hidden_state  # [B, S, H]
 
 
+def hf_packed_hidden_states(model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """HF's forward on the rows' real tokens concatenated into one row [1, N]: position ids restart at 0 for each
+    sequence and an additive block-diagonal causal mask [1, 1, N, N] keeps every sequence to its own earlier tokens
+    (eager and SDPA attention both take it). Returns [B, S, H], zeros past each row's length."""
+    batch, seq = input_ids.shape
+    device = input_ids.device
+    cols = torch.arange(seq, device=device)  # [S]
+    lengths = input_lengths.to(device).clamp(1, seq)  # [B]: an empty row keeps its first slot, as in hf_hidden_states
+    valid = cols[None, :] < lengths[:, None]  # [B, S]
+    segment = torch.arange(batch, device=device)[:, None].expand(batch, seq)[valid]  # [N] row of each token
+    order = torch.arange(segment.shape[0], device=device)  # [N]
+    allowed = (segment[:, None] == segment[None, :]) & (order[:, None] >= order[None, :])  # [N, N]
+    base: Any = model.base_model
+    dtype = next(base.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    out = base(
+        input_ids=input_ids[valid][None],  # [1, N]
+        attention_mask=mask[None, None],  # [1, 1, N, N]
+        position_ids=cols[None, :].expand(batch, seq)[valid][None],  # [1, N] restarting per sequence
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state[0]  # [N, H]
+    return hidden.new_zeros(batch, seq, hidden.shape[-1]).masked_scatter(valid[..., None], hidden)  # [B, S, H]
+
+
 class _Backbone:
     """One pass's view of the model: its parameter tensors by role and the attention geometry."""
 
-    def __init__(self, base: Any, native: bool = False) -> None:
+    def __init__(self, base: Any, native: bool = False, packed: bool = False) -> None:
+        self.packed = packed  # per-sequence attention groups instead of one [B, S] call
+        self.groups: RowGroups | None = None  # the current pass's groups (packed only)
         attn0 = base.layers[0].self_attn
         embed = base.embed_tokens
         self.embed, self.padding_idx = embed.weight, embed.padding_idx  # [V, H]; padding_idx: no gradient
@@ -106,11 +146,13 @@ class _Backbone:
     def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
         batch, seq = input_ids.shape
         pk = PaddedPacking(input_lengths, batch, seq, input_ids.device)
+        self.groups = pk.row_groups() if self.packed else None
         h = self._run(input_ids, pk, None)  # [N, H]
         return pk.unpack(h)  # [B, S, H]
 
     def forward_selected(self, input_ids: torch.Tensor, pk: SharedPacking) -> torch.Tensor:
         """Final hidden states [M, H] of the positions `pk` selected, row-major."""
+        self.groups = pk.row_groups() if self.packed else None
         h = self._run(input_ids[:, : pk.seq], pk, pk.query_index)  # [Q, H]
         return h.index_select(0, pk.output_index)  # [M, H]
 
@@ -167,6 +209,8 @@ class _Backbone:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: PaddedPacking | SharedPacking
     ) -> torch.Tensor:
         """Causal attention of packed q [N, Hq, D], k/v [N, Hkv, D] within each row; returns [N, Hq * D]."""
+        if self.groups is not None:
+            return self._grouped_attention(q, k, v, self.groups)
         b, s = pk.batch, pk.seq
         qp = pk.unpack(q).transpose(1, 2)  # [B, Hq, S, D]
         kp = pk.unpack(k).transpose(1, 2)  # [B, Hkv, S, D]
@@ -177,16 +221,35 @@ class _Backbone:
         out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)  # [B, Hq, S, D]
         return pk.pack(out.transpose(1, 2).reshape(b, s, -1))  # [N, Hq * D]
 
+    def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: RowGroups) -> torch.Tensor:
+        """`_attention` per group of similar-length rows (packed micro-batches); returns [N, Hq * D]."""
+        d, outs = self.head_dim, []
+        for gather, rows, width in groups.parts:
+            qg = q.index_select(0, gather).view(rows, width, self.n_heads, d).transpose(1, 2)  # [n, Hq, m, D]
+            kg = k.index_select(0, gather).view(rows, width, self.n_kv, d).transpose(1, 2)  # [n, Hkv, m, D]
+            vg = v.index_select(0, gather).view(rows, width, self.n_kv, d).transpose(1, 2)
+            if self.group > 1:
+                kg, vg = kg.repeat_interleave(self.group, dim=1), vg.repeat_interleave(self.group, dim=1)
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scaling)  # [n, Hq, m, D]
+            outs.append(out.transpose(1, 2).reshape(rows * width, -1))  # [n*m, Hq * D]
+        grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return grouped.index_select(0, groups.pack_index)  # [N, Hq * D]
+
 
 def _checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(function, *args, use_reentrant=False)
 
 
 def fast_hidden_states(
-    model: nn.Module, input_ids: torch.Tensor, input_lengths: torch.Tensor, *, native: bool = False
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    *,
+    native: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor:
     """The fast path itself (call `backbone_hidden_states` unless support was already checked): [B, S, H]."""
-    return _Backbone(backbone_of(model), native).forward(input_ids, input_lengths)
+    return _Backbone(backbone_of(model), native, packed).forward(input_ids, input_lengths)
 
 
 def selected_hidden_states(
@@ -197,20 +260,22 @@ def selected_hidden_states(
     *,
     fast: bool | None = None,
     native: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Final hidden states [M, H] of the M positions where `select` [B, S] is True (row-major), computing only what
     they depend on (see `packing.SharedPacking`); positions at or past a row's length are never selected.
 
-    `fast` and `native` as in `backbone_hidden_states`; the HF path runs the whole batch and picks the positions.
+    `fast`, `native` and `packed` as in `backbone_hidden_states`; the HF path runs the whole batch and picks the
+    positions.
     """
     use_fast = use_fast_path(model, fast)
     batch, seq = input_ids.shape
     cols = torch.arange(seq, device=input_ids.device)  # [S]
     select = select.to(input_ids.device).bool() & (cols[None, :] < input_lengths.to(input_ids.device)[:, None])
     if not use_fast:
-        return hf_hidden_states(model, input_ids, input_lengths)[select]  # [M, H]
+        return hf_hidden_states(model, input_ids, input_lengths, packed=packed)[select]  # [M, H]
     pk = SharedPacking(input_ids, input_lengths, select)
-    backbone = _Backbone(backbone_of(model), native)
+    backbone = _Backbone(backbone_of(model), native, packed)
     if pk.num_selected == 0:
         return backbone.embed.new_zeros(0, backbone.embed.shape[1])
     return backbone.forward_selected(input_ids, pk)  # [M, H]

@@ -18,6 +18,10 @@ Tensors move between the packed layout [N, ...] (the N distinct kept tokens, row
 padded per-row layout [B, S', ...] (S' = the longest kept row) that attention uses. Padded slots past a row's kept
 length read packed token 0: with right padding a causal mask keeps every real query off them, and the outputs of
 those slots are never packed back, so their values (and zero gradients) never reach a kept token.
+
+`RowGroups` is the attention layout of a *packed* micro-batch (sequence packing: a bin of rows of very different
+lengths): per-sequence attention, rows sorted by length and grouped so that each group, padded only to its own
+longest row, wastes little; one causal attention call per group instead of one over [B, S'].
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ class PaddedPacking:
             self.index = valid.view(-1).nonzero().squeeze(1)
             self.positions = self.index % seq
         self.num_tokens = int(self.positions.shape[0])
+        self.lengths = lengths
+
+    def row_groups(self) -> RowGroups:
+        """The per-sequence attention layout of these rows (packed micro-batches)."""
+        flat = torch.arange(self.batch * self.seq, device=self.positions.device)  # [B*S]
+        index = flat if self.index is None else self.index  # [N]
+        packed_of_flat = torch.zeros_like(flat).index_copy_(0, index, torch.arange(self.num_tokens, device=flat.device))
+        return RowGroups(self.lengths, packed_of_flat, index, self.seq)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] -> [N, ...]."""
@@ -82,6 +94,12 @@ class SharedPacking:
         selected_packed = self.slot[select[:, :s].reshape(-1)]  # [M]
         self.query_index, self.output_index = torch.unique(selected_packed, return_inverse=True)  # [Q], [M]
         self.num_selected = int(selected_packed.shape[0])
+        # Rows computing at least one distinct token; the others only read tokens other rows compute.
+        self._own = torch.where(distinct.any(1), kept, torch.zeros_like(kept))  # [B]
+
+    def row_groups(self) -> RowGroups:
+        """The per-sequence attention layout (packed micro-batches); rows without a distinct token are left out."""
+        return RowGroups(self._own, self.slot, self.index, self.seq)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S', ...] -> [N, ...]: the distinct tokens."""
@@ -90,6 +108,45 @@ class SharedPacking:
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [B, S', ...]: every row's view of its tokens (padding slots hold token 0's values)."""
         return x.index_select(0, self.slot).view(self.batch, self.seq, *x.shape[1:])
+
+
+#: A separate attention call pays for itself once it saves about this many padded query-key pairs per row and head
+#: (the dispatch and gathers of one CPU attention call, ~30 us, cost about as much as 64 x 64 pairs of head size 32).
+GROUP_CALL_PAIRS = 64 * 64
+
+
+class RowGroups:
+    """Per-sequence causal attention over rows of different lengths, as a few padded attention calls.
+
+    `lengths` [B]: tokens of each row that take part (0: the row is left out); `slot` [B*S]: the packed token each
+    padded slot (b, t) reads; `index` [N]: the flat slot b*S+t whose attention output each packed token takes.
+    Rows are sorted by length (longest first) and a row joins the current group while padding it to the group's
+    longest row costs fewer query-key pairs than a call of its own (`GROUP_CALL_PAIRS`). Each group is attended as
+    [rows, heads, longest, D] with a causal mask: right padding keeps every real query off padding keys, as in the
+    one-call layout, so each sequence attends to exactly its own earlier tokens.
+    """
+
+    def __init__(self, lengths: torch.Tensor, slot: torch.Tensor, index: torch.Tensor, seq: int) -> None:
+        device = slot.device
+        lens = [int(x) for x in lengths.tolist()]
+        order = sorted((b for b in range(len(lens)) if lens[b] > 0), key=lambda b: -lens[b])
+        groups: list[list[int]] = []
+        for b in order:
+            if groups and lens[groups[-1][0]] ** 2 - lens[b] ** 2 <= GROUP_CALL_PAIRS:
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        row_start = torch.zeros(len(lens), dtype=torch.long, device=device)  # [B] grouped offset of (b, 0)
+        slots = slot.view(len(lens), seq)  # [B, S]
+        self.parts: list[tuple[torch.Tensor, int, int]] = []  # (gathered packed tokens [n*m], rows n, width m)
+        offset = 0
+        for rows in groups:
+            width = lens[rows[0]]
+            ids = torch.tensor(rows, dtype=torch.long, device=device)  # [n]
+            self.parts.append((slots.index_select(0, ids)[:, :width].reshape(-1), len(rows), width))
+            row_start[ids] = offset + torch.arange(len(rows), device=device) * width
+            offset += len(rows) * width
+        self.pack_index = row_start[index // seq] + index % seq  # [N] grouped position of each packed token
 
 
 #: Elements of one [rows, B, S'] comparison block when finding shared prefixes (bounds the memory of a big batch).
