@@ -454,10 +454,8 @@ def load_state_file(path: str | Path) -> Any:
             head = f.read(4)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read checkpoint state ({exc.strerror or exc})") from exc
-    if head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip container, or a raw pickle
-        raise CheckpointError(
-            f"{path}: a pickle, not a relayrl state file; refusing to load it (unpickling can run code)"
-        )
+    # Parse first, sniff after: a safetensors header is a little-endian length whose first byte can be anything
+    # (0x80 included), so the pickle signature is only used to word the refusal of a file that did not parse.
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -465,6 +463,10 @@ def load_state_file(path: str | Path) -> Any:
                 raise ValueError(f"no {STATE_FORMAT} v{STATE_VERSION} header")
             return _decode(json.loads(meta["tree"]), f.get_tensor)
     except Exception as exc:  # safetensors' own error type, bad JSON, a malformed tree: all mean "refuse"
+        if head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip container, or a raw pickle
+            raise CheckpointError(
+                f"{path}: a pickle, not a relayrl state file; refusing to load it (unpickling can run code)"
+            ) from exc
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{path}: not a valid relayrl state file ({reason}); refusing to load it") from exc
 

@@ -610,3 +610,21 @@ def test_assert_finite_state_hook() -> None:
     with pytest.raises(NonFiniteStateError, match=r"policy weights: NaN or infinity in 2 of 3 tensors \(b, c\)"):
         assert_finite_state(bad, "policy weights")
     assert issubclass(NonFiniteStateError, CheckpointError)
+
+
+def test_a_state_file_whose_header_length_starts_with_0x80_is_read(tmp_path):
+    """A safetensors file begins with its header length (little endian): when that length's low byte is 0x80 the
+    file starts like a pickle and must still load (a Ray run's RNG state hit this)."""
+    import torch
+
+    from relayrl.utils.checkpoint import load_state_file, save_state_file
+
+    for pad in range(300):  # vary the JSON tree until the header length's low byte is 0x80
+        state = {"pad": "x" * pad, "t": torch.arange(3)}
+        path = tmp_path / f"s{pad}.safetensors"
+        save_state_file(path, state)
+        if path.read_bytes()[:1] == b"\x80":
+            loaded = load_state_file(path)
+            assert loaded["pad"] == state["pad"] and torch.equal(loaded["t"], state["t"])
+            return
+    raise AssertionError("no header length with low byte 0x80 in 300 tries")
