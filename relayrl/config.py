@@ -67,6 +67,12 @@ class GenerationConfig(Strict):
     native_cpu_decode: bool = True
     """On CPU, run each decode step of a float32 llama-family model as one compiled call (built with the system C++
     compiler on first use, ~15 s, cached under ~/.cache/relayrl); falls back to PyTorch ops when it cannot be built."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """KV-cache storage during generation. `auto`: the model's dtype (float32 on CPU). `fp8`: float8 e4m3
+    (torch.float8_e4m3fn, 1 byte per value) holding k / k_scale and v / v_scale per layer, multiplied back on every
+    read, on CPU and GPU; the scales are the policy's `calibrate_qkv_fp8_scales` ones, set on the engine with
+    `set_kv_scales` and carried by the refit (1.0 until the first ones arrive). Log-probs move by quantization error
+    (tests/unit/models/test_fp8_kv.py measures it); the compiled CPU decode step is not used (PyTorch ops instead)."""
 
 
 class AdamWKwargs(Strict):
@@ -101,6 +107,67 @@ class DataParallelConfig(Strict):
     cluster.executor='ray' when there is more than one worker."""
 
 
+PackingAlgorithm = Literal[
+    "concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing"
+]
+
+
+class SequencePackingConfig(Strict):
+    """Sequence packing: each data-parallel rank's rows are binned by token count (whole sequences, never split) and
+    every bin runs as one packed micro-batch whose sequences attend only to themselves (per-sequence attention,
+    positions restarting at 0). Loss, gradients and log-probs equal the unpacked run's to float32 rounding."""
+
+    enabled: bool = False
+    """Pack the training, log-prob, reference and top-k passes (policy) or the value passes (value model)."""
+    train_mb_tokens: PositiveInt | None = None
+    """Token capacity of one training bin; None means max_total_sequence_length x train_micro_batch_size."""
+    logprob_mb_tokens: PositiveInt | None = None
+    """Token capacity of one log-prob / reference / top-k / value bin; None means max_total_sequence_length x
+    logprob_batch_size (or train_micro_batch_size)."""
+    algorithm: PackingAlgorithm = "modified_first_fit_decreasing"
+    """Bin packer: concatenative (in order), first_fit_decreasing, first_fit_shuffle (seeded by the row count) or
+    modified_first_fit_decreasing (Johnson & Garey)."""
+    microbatch_order: Literal["packer", "largest_first"] = "packer"
+    """Order a rank runs its bins in: as the packer made them, or the largest (most tokens) first."""
+    sequence_length_round: PositiveInt = 1
+    """Each sequence counts as its length rounded up to this multiple when bins are filled (bin accounting only:
+    the packed micro-batch holds the true lengths)."""
+
+
+class DynamicBatchingConfig(Strict):
+    """Dynamic batching: rows sorted by length are grouped into micro-batches under a token budget (rows x padded
+    width), each cut to its own width; every data-parallel rank runs the same micro-batch schedule."""
+
+    enabled: bool = False
+    """Token-budget micro-batches in the training, log-prob, reference and top-k (or value) passes."""
+    train_mb_tokens: PositiveInt | None = None
+    """Rows x padded width per training micro-batch; None means max_total_sequence_length x train_micro_batch_size."""
+    logprob_mb_tokens: PositiveInt | None = None
+    """Rows x padded width per log-prob / reference / top-k / value micro-batch; None means
+    max_total_sequence_length x logprob_batch_size (or train_micro_batch_size)."""
+    sequence_length_round: PositiveInt = 64
+    """Round each micro-batch's width up to this multiple (also the batch-wide padded width on the data plane)."""
+
+
+def _check_batching(
+    section: str, packing: SequencePackingConfig, dynamic: DynamicBatchingConfig, max_length: int
+) -> None:
+    """At most one mode, and a budget the longest sequence (rounded as the mode rounds it) fits into."""
+    if packing.enabled and dynamic.enabled:
+        raise ValueError(
+            f"{section}.sequence_packing.enabled and {section}.dynamic_batching.enabled are mutually exclusive; "
+            "enable at most one"
+        )
+    for name, block in (("sequence_packing", packing), ("dynamic_batching", dynamic)):
+        rounded = -(-max_length // block.sequence_length_round) * block.sequence_length_round
+        for key, budget in (("train_mb_tokens", block.train_mb_tokens), ("logprob_mb_tokens", block.logprob_mb_tokens)):
+            if block.enabled and budget is not None and budget < rounded:
+                raise ValueError(
+                    f"{section}.{name}.{key} = {budget} is below {section}.max_total_sequence_length = {max_length} "
+                    f"(rounded to {name}.sequence_length_round: {rounded}): the longest sequence would not fit"
+                )
+
+
 class PolicyConfig(Strict):
     model_name: str = BUILTIN_TINY_MODEL
     """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
@@ -126,6 +193,15 @@ class PolicyConfig(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()
     data_parallel: DataParallelConfig = DataParallelConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    """Bin whole sequences into packed micro-batches (exclusive with dynamic_batching)."""
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
+
+    @model_validator(mode="after")
+    def _one_batching_mode(self) -> PolicyConfig:
+        _check_batching("policy", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------- loss
@@ -235,6 +311,11 @@ class GRPOConfig(RolloutConfig):
     """When a step is exactly one optimizer step on fresh rollouts, the old-policy logprobs equal the training
     forward's detached logprobs: skip the separate pass and use ratio = exp(logp - logp.detach()) (what TRL does).
     Off when seq_logprob_error_threshold is set, or with CISPO / REINFORCE losses, which need them."""
+    invalid_tool_call_advantage: float | None = None
+    """Message-level advantage penalty (legacy trainer): assistant messages flagged `is_invalid_tool_call` get this
+    advantage. The reference's key; the same setting as reward_penalties.invalid_tool_call_advantage (set one)."""
+    malformed_thinking_advantage: float | None = None
+    """As invalid_tool_call_advantage, for messages flagged `has_malformed_thinking`."""
 
     @property
     def prompts_per_batch(self) -> int:
@@ -449,6 +530,15 @@ class ValueConfig(Strict):
     head_init_std: PositiveFloat | None = None
     """Std of a fresh head's weights; None means the backbone config's initializer_range (as transformers does)."""
     data_parallel: DataParallelConfig = DataParallelConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    """Bin whole sequences into packed micro-batches (exclusive with dynamic_batching)."""
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
+
+    @model_validator(mode="after")
+    def _one_batching_mode(self) -> ValueConfig:
+        _check_batching("value", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        return self
 
 
 class MseValueLossConfig(Strict):
@@ -574,6 +664,9 @@ class MasterConfig(Strict):
             raise ValueError(f"grpo.advantage_clip_low ({lo}) must be <= grpo.advantage_clip_high ({hi})")
         if g.batch_multiplier != 1 and not g.use_dynamic_sampling:
             raise ValueError("grpo.batch_multiplier must be 1 unless grpo.use_dynamic_sampling is true")
+        for key in ("invalid_tool_call_advantage", "malformed_thinking_advantage"):
+            if getattr(g, key) is not None and getattr(self.reward_penalties, key) is not None:
+                raise ValueError(f"grpo.{key} and reward_penalties.{key} are the same setting: set one of them")
         if r.stop_at_validation_metric is not None and r.stop_at_validation_threshold is None:
             raise ValueError(f"{block}.stop_at_validation_metric requires {block}.stop_at_validation_threshold")
         if r.stop_at_validation_metric is not None and r.stop_at_validation_metric not in VALIDATION_METRICS:

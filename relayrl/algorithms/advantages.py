@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt, calculate_kl
-from relayrl.config import ClippedPGLossConfig, GRPOConfig
+from relayrl.config import ClippedPGLossConfig, GRPOConfig, MasterConfig
 
 
 class AdvantageEstimator(Protocol):
@@ -112,6 +112,33 @@ def build_advantage_estimator(grpo_cfg: GRPOConfig, loss_cfg: ClippedPGLossConfi
             kl_type=loss_cfg.reference_policy_kl_type,
         )
     raise ValueError(f"Unknown advantage estimator {adv_cfg.name!r}; expected 'grpo' or 'reinforce_plus_plus'")
+
+
+#: Message-level advantage keys (`grpo.<key>`, the reference's names, or `reward_penalties.<key>`) -> message flag.
+MESSAGE_ADVANTAGE_FLAGS = {
+    "invalid_tool_call_advantage": "is_invalid_tool_call",
+    "malformed_thinking_advantage": "has_malformed_thinking",
+}
+
+
+def message_level_advantages(cfg: MasterConfig) -> dict[str, float]:
+    """Message flag -> advantage of the configured message-level penalties, first match winning: the
+    `reward_penalties.flag_advantages`, then invalid tool calls, then malformed thinking (each set as `grpo.<key>`
+    or `reward_penalties.<key>`)."""
+    out = dict(cfg.reward_penalties.flag_advantages)
+    for key, flag in MESSAGE_ADVANTAGE_FLAGS.items():
+        value = getattr(cfg.grpo, key)
+        if value is None:
+            value = getattr(cfg.reward_penalties, key)
+        if value is not None:
+            out[flag] = value
+    return out
+
+
+def message_level_advantage_keys(cfg: MasterConfig) -> list[str]:
+    """The message-level penalty keys a config sets, named as it sets them (`grpo.<key>`, `reward_penalties.<key>`)."""
+    names = [f"grpo.{key}" for key in MESSAGE_ADVANTAGE_FLAGS if getattr(cfg.grpo, key) is not None]
+    return names + [f"reward_penalties.{key}" for key in cfg.reward_penalties.enabled_keys()]
 
 
 def apply_advantage_overrides(advantages: torch.Tensor, overrides: torch.Tensor) -> torch.Tensor:

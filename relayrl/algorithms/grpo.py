@@ -17,6 +17,7 @@ from relayrl.algorithms.advantages import (
     apply_advantage_overrides,
     build_advantage_estimator,
     clip_advantages,
+    message_level_advantages,
 )
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
@@ -31,6 +32,7 @@ from relayrl.algorithms.trainer_common import (
     guard_update,
     message_log_sample_rows,
     resolve_logprob_skip_flags,
+    rollout_in_driver,
     step_metrics,
 )
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
@@ -41,7 +43,6 @@ from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
     build_message_advantage_overrides,
-    run_multi_turn_rollout,
     trim_to_last_loss_token,
 )
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
@@ -106,7 +107,7 @@ class GRPOSteps:
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
         self.pad_id = tokenizer.pad_token_id
-        self.flag_to_adv = cfg.reward_penalties.flag_to_advantage()
+        self.flag_to_adv = message_level_advantages(cfg)  # grpo.* or reward_penalties.* keys
         self.validate = validation_runner(policy_generation, logger, validate_at)
         # dynamic sampling collects groups across generation batches until a step's worth survives
         self.batch_cache: BatchedDataDict | None = None
@@ -189,21 +190,7 @@ class GRPOSteps:
             self.skipped += int(drop.sum())
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[BatchedDataDict, dict[str, float]]:
-        """Roll out every row (the engine reads the current weights; it refuses stale ones)."""
-        with self.timer.time("prepare_for_generation/total"):
-            self.generation.prepare_for_generation()
-        with self.timer.time("generation"):
-            out = run_multi_turn_rollout(
-                self.generation,
-                repeated,
-                self.tokenizer,
-                self.task_to_env,
-                max_seq_len=self.cfg.policy.max_total_sequence_length,
-                max_rollout_turns=self.g.max_rollout_turns,
-                greedy=False,
-            )
-            self.generation.finish_generation()
-        return out
+        return rollout_in_driver(self.generation, self.timer, repeated, self.tokenizer, self.task_to_env, self.cfg)
 
     def _rewards(self, repeated: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scaling/shaping, then the per-prompt baseline and std. Returns (rewards, baseline, std), each [B]."""

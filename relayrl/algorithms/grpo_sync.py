@@ -22,6 +22,7 @@ from relayrl.algorithms.advantages import (
     advantage_metrics,
     build_advantage_estimator,
     clip_advantages,
+    message_level_advantage_keys,
     row_advantage_metrics,
 )
 from relayrl.algorithms.interfaces import LossFunction
@@ -40,7 +41,7 @@ from relayrl.algorithms.trainer_common import (
     worker_seq_logprob_error_metrics,
 )
 from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
-from relayrl.algorithms.validation import Envs, ValidationResult, validate_sync, validation_runner
+from relayrl.algorithms.validation import Envs, ValidationResult, sync_validator, validate_sync, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
@@ -87,17 +88,7 @@ def grpo_train_sync(
     timer = Timer()
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
-    def validate_at(step: int) -> ValidationResult:
-        return validate_sync(
-            rollout_actor=actor,
-            policy=policy,
-            val_dataloader=val_dataloader,
-            val_task_to_env=val_task_to_env,
-            step=step,
-            master_config=cfg,
-            logger=logger,
-        )
-
+    validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
     steps = GRPOSyncSteps(policy, policy_generation, actor, loss_fn, logger, cfg, timer, validate_at)
     parts = LoopParts(cfg, grpo_save_state, timer, wrapped_dataloader, policy, policy_generation, checkpointer, logger)
     return run_loop(steps, parts)
@@ -321,10 +312,12 @@ class GRPOSyncSteps:
 
 
 def _raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
-    """Message-level advantage penalties need per-message token spans, which only the legacy trainer has."""
-    keys = master_config.reward_penalties.enabled_keys()
+    """Raise NotImplementedError naming the message-level advantage penalty keys set (`grpo.invalid_tool_call_advantage`,
+    `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings): they need per-message token spans,
+    which only the legacy trainer has."""
+    keys = message_level_advantage_keys(master_config)
     if keys:
-        names = ", ".join(f"reward_penalties.{k}" for k in keys)
+        names = ", ".join(keys)
         raise NotImplementedError(
             f"message-level advantage penalties ({names}) are not supported with data_plane.enabled=true; "
             "disable them or use the legacy trainer (data_plane.enabled=false)"

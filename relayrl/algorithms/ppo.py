@@ -35,6 +35,7 @@ from relayrl.algorithms.trainer_common import (
     message_log_sample_rows,
     ppo_epochs,
     ppo_step_metrics,
+    rollout_in_driver,
 )
 from relayrl.algorithms.validation import Envs, ValidationResult, validate, validation_runner
 from relayrl.config import MasterConfig
@@ -42,7 +43,6 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
-    run_multi_turn_rollout,
     trim_to_last_loss_token,
 )
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
@@ -198,21 +198,7 @@ class PPOSteps:
         return StepOutput(metrics, samples, {"critic": critic_metrics})
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[BatchedDataDict, dict[str, float]]:
-        """Roll out every row with the current weights."""
-        with self.timer.time("prepare_for_generation/total"):
-            self.generation.prepare_for_generation()
-        with self.timer.time("generation"):
-            out = run_multi_turn_rollout(
-                self.generation,
-                repeated,
-                self.tokenizer,
-                self.task_to_env,
-                max_seq_len=self.cfg.policy.max_total_sequence_length,
-                max_rollout_turns=self.p.max_rollout_turns,
-                greedy=False,
-            )
-            self.generation.finish_generation()
-        return out
+        return rollout_in_driver(self.generation, self.timer, repeated, self.tokenizer, self.task_to_env, self.cfg)
 
     def _logprobs(self, train_data: BatchedDataDict) -> None:
         """Previous-policy and reference log-probs [B, S]; a skipped reference reads as zeros."""

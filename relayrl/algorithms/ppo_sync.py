@@ -52,7 +52,7 @@ from relayrl.algorithms.trainer_common import (
     rollout_carry_keys,
     worker_seq_logprob_error_metrics,
 )
-from relayrl.algorithms.validation import Envs, ValidationResult, validate_sync, validation_runner
+from relayrl.algorithms.validation import Envs, ValidationResult, sync_validator, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
@@ -89,17 +89,7 @@ def ppo_train_sync(
     _check_components(cfg, policy, value)
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
-    def validate_at(step: int) -> ValidationResult:
-        return validate_sync(
-            rollout_actor=actor,
-            policy=policy,
-            val_dataloader=val_dataloader,
-            val_task_to_env=val_task_to_env,
-            step=step,
-            master_config=cfg,
-            logger=logger,
-        )
-
+    validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
     steps = PPOSyncSteps(
         policy, policy_generation, value, actor, loss_fn, value_loss_fn, logger, cfg, timer, validate_at
     )

@@ -15,12 +15,13 @@ from typing import Any, Protocol
 import torch
 
 from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
-from relayrl.algorithms.protocols import Checkpointable, DataPlanePolicy
+from relayrl.algorithms.protocols import Checkpointable, DataPlanePolicy, Generation, Tokenizer
 from relayrl.algorithms.utils import aggregate_train_metrics, mean_over_epochs, policy_train_metrics
 from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.environments.interfaces import MessageLog
+from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
+from relayrl.experience.rollouts import run_multi_turn_rollout
 from relayrl.utils.timer import Timer
 
 
@@ -197,6 +198,32 @@ def sample_rows(prompts: list[str], completions: list[str], rewards: torch.Tenso
         {"step": step, "prompt": p, "completion": c, "reward": float(r)}
         for p, c, r in list(zip(prompts, completions, rewards.tolist()))[:n]
     ]
+
+
+def rollout_in_driver(
+    generation: Generation,
+    timer: Timer,
+    repeated: BatchedDataDict,
+    tokenizer: Tokenizer,
+    task_to_env: dict[str, EnvironmentInterface],
+    cfg: MasterConfig,
+) -> tuple[BatchedDataDict, dict[str, float]]:
+    """The legacy trainers' generation phase: wake the engine, roll every row out with the current weights (the
+    engine refuses stale ones), put it to sleep. Returns the rolled-out batch and the rollout metrics."""
+    with timer.time("prepare_for_generation/total"):
+        generation.prepare_for_generation()
+    with timer.time("generation"):
+        out = run_multi_turn_rollout(
+            generation,
+            repeated,
+            tokenizer,
+            task_to_env,
+            max_seq_len=cfg.policy.max_total_sequence_length,
+            max_rollout_turns=cfg.rollout.max_rollout_turns,
+            greedy=False,
+        )
+        generation.finish_generation()
+    return out
 
 
 def driver_nbytes(batch: BatchedDataDict) -> int:

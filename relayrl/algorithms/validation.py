@@ -21,7 +21,7 @@ from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.experience.rollouts import run_multi_turn_rollout
 from relayrl.utils.logger import Logger
 
-__all__ = ["ValidationResult", "validate", "validate_sync", "validation_runner"]
+__all__ = ["ValidationResult", "sync_validator", "validate", "validate_sync", "validation_runner"]
 
 Envs = dict[str, EnvironmentInterface]
 #: One validation batch rolled out: (rewards [B], mean generated tokens per sample, samples for val_data_step*.jsonl)
@@ -135,6 +135,30 @@ def _validate_batches(
     if logger is not None:
         logger.log_jsonl(samples, f"val_data_step{step}.jsonl")
     return val_metrics, {"total_validation_time": time.perf_counter() - t0}
+
+
+def sync_validator(
+    rollout_actor: RolloutActor,
+    policy: DataPlanePolicy,
+    val_dataloader: BatchLoader | None,
+    val_task_to_env: Envs | None,
+    master_config: MasterConfig,
+    logger: Logger,
+) -> Callable[[int], ValidationResult]:
+    """`validate_sync` bound to a data-plane trainer's actor, policy and data: validation at a given step."""
+
+    def validate_at(step: int) -> ValidationResult:
+        return validate_sync(
+            rollout_actor=rollout_actor,
+            policy=policy,
+            val_dataloader=val_dataloader,
+            val_task_to_env=val_task_to_env,
+            step=step,
+            master_config=master_config,
+            logger=logger,
+        )
+
+    return validate_at
 
 
 def validation_runner(

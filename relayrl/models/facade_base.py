@@ -20,6 +20,7 @@ from relayrl.config import ClusterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.executor import build_worker_group
 from relayrl.distributed.interfaces import WorkerGroup
+from relayrl.models.microbatch import plan_shards
 from relayrl.models.worker_base import ModelConfig, ModelWorker
 from relayrl.utils import device as dev
 from relayrl.utils.timer import Timer
@@ -71,6 +72,12 @@ def timed(timer: Timer | None, label: str | None) -> Iterator[None]:
     else:
         with timer.time(label):
             yield
+
+
+def rows_in_order(parts: list[BatchedDataDict], key: str, unsorted: list[int] | None) -> torch.Tensor:
+    """The ranks' `key` results concatenated in rank order, then put back in input order by `unsorted`."""
+    out = torch.cat([p[key] for p in parts])
+    return out if unsorted is None else out.index_select(0, torch.tensor(unsorted, dtype=torch.long))
 
 
 def merge_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -134,6 +141,20 @@ class ModelFacade(Generic[W]):
         """Contiguous row blocks, one per rank (inference passes)."""
         return BatchedDataDict(data).shard_by_batch_size(self.dp_size, allow_uneven_shards=True)
 
+    def _run_rows(
+        self,
+        data: BatchedDataDict,
+        method: Callable[Concatenate[W, BatchedDataDict, P], BatchedDataDict],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[list[BatchedDataDict], list[int] | None]:
+        """`method` on every rank's rows of an inference pass: (per-rank results, the inverse permutation that puts
+        their concatenation back in input order, None when it already is). Contiguous blocks, or under sequence
+        packing / dynamic batching the planner's balanced shards, each carrying its micro-batch plan."""
+        planned = plan_shards(data, self.dp_size, self.cfg, "logprob_mb_tokens", None)
+        shards, unsorted = (self._shards(data), None) if planned is None else planned
+        return self._group.run_sharded(method, shards, *args, **kwargs), unsorted
+
     def _row_pass(
         self,
         what: str,
@@ -147,8 +168,8 @@ class ModelFacade(Generic[W]):
         """`method` on contiguous row blocks of `data` (one per rank); its `key` results, rows in input order."""
         check_batch(data, ROW_KEYS, what)
         with timed(timer, what):
-            parts = self._group.run_sharded(method, self._shards(data), *args, **kwargs)
-        return torch.cat([p[key] for p in parts])
+            parts, unsorted = self._run_rows(data, method, *args, **kwargs)
+        return rows_in_order(parts, key, unsorted)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -166,7 +187,12 @@ class ModelFacade(Generic[W]):
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
         self._check_train_sizes(rows, gbs, mbs, "train")
-        shards: list[BatchedDataDict] = BatchedDataDict(data).shard_by_batch_size(self.dp_size, batch_size=gbs)
+        planned = plan_shards(data, self.dp_size, self.cfg, "train_mb_tokens", gbs)  # packing / dynamic batching
+        shards: list[BatchedDataDict] = (
+            BatchedDataDict(data).shard_by_batch_size(self.dp_size, batch_size=gbs)
+            if planned is None
+            else [*planned[0]]
+        )
         with timed(timer, self.train_timer_label):
             results = self._group.run_sharded(ModelWorker.train, shards, loss_fn, eval_mode, gbs, mbs)
         return self._merge_train_results(results)

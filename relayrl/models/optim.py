@@ -13,6 +13,7 @@ from torch import nn
 
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.parallelize import DataParallel
+from relayrl.models.microbatch import ShardPlan, cut, with_replays
 from relayrl.utils import device as dev
 
 
@@ -95,6 +96,7 @@ def train_global_batches(
     rank: int,
     dp: DataParallel | None = None,
     zero_loss: Callable[[Any], torch.Tensor] | None = None,
+    plan: ShardPlan | None = None,
 ) -> dict[str, Any]:
     """One train() call (reference §3.9), shared by the policy and value workers.
 
@@ -107,24 +109,36 @@ def train_global_batches(
     micro-batch of a global batch syncs. One without a valid sample or without any loss position runs
     `zero_loss(mb)` instead of the loss: a full forward touching every parameter, times 0 (exactly zero gradients,
     the same collectives as its peers whatever the loss function skips), and is not recorded.
+
+    `plan` (sequence packing / dynamic batching): this rank's rows per global batch and its micro-batches come from
+    the plan instead of `gbs` / `mbs`; under `dp` every rank tops its micro-batches up to the largest count of any
+    rank with zero-loss replays (`microbatch.with_replays`).
     """
     world = comm.world_size
     wrapped = dp is not None and dp.reduces_in_backward
     if wrapped and zero_loss is None:
         raise ValueError("train_global_batches: a DDP/FSDP2 strategy needs zero_loss for dummy micro-batches")
-    local_gbs = gbs // world
-    if local_gbs < 1 or local_gbs % mbs:
-        raise ValueError(f"per-rank global batch {gbs}/{world}={local_gbs} is not a multiple of mbs={mbs}")
-    if data.size % local_gbs:
-        raise ValueError(f"{data.size} rows on rank {rank} are not a multiple of the per-rank batch {local_gbs}")
-    num_gb = data.size // local_gbs
+    if plan is None:
+        local_gbs = gbs // world
+        if local_gbs < 1 or local_gbs % mbs:
+            raise ValueError(f"per-rank global batch {gbs}/{world}={local_gbs} is not a multiple of mbs={mbs}")
+        if data.size % local_gbs:
+            raise ValueError(f"{data.size} rows on rank {rank} are not a multiple of the per-rank batch {local_gbs}")
+        gb_bounds = [(gb * local_gbs, (gb + 1) * local_gbs) for gb in range(data.size // local_gbs)]
+    else:
+        gb_bounds = plan.gb_bounds()
+        if (gb_bounds[-1][1] if gb_bounds else 0) != data.size:
+            raise ValueError(
+                f"the micro-batch plan covers {sum(plan.elem_counts_per_gb)} rows, rank {rank} has {data.size}"
+            )
+    num_gb = len(gb_bounds)
     lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
     losses: list[torch.Tensor] = []
     grad_norm: torch.Tensor | None = None
     metrics: dict[str, list[float]] = defaultdict(list)
     total_seqs, total_toks = 0.0, 0.0
-    for gb in range(num_gb):
-        gb_data = data.slice(gb * local_gbs, (gb + 1) * local_gbs)
+    for gb, (gb_start, gb_end) in enumerate(gb_bounds):
+        gb_data = data.slice(gb_start, gb_end)
         sample_mask = gb_data["sample_mask"].float()  # [b]
         counts = torch.stack([sample_mask.sum(), (valid_tokens(gb_data).float() * sample_mask[:, None]).sum()]).to(
             device
@@ -136,9 +150,18 @@ def train_global_batches(
         if not eval_mode and optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         gb_loss = torch.zeros((), device=device)
-        num_mb = -(-gb_data.size // mbs)
-        for i, mb in enumerate(micro_batches(gb_data, mbs, device)):
-            valid = float(mb["sample_mask"].float().sum()) > 0
+        if plan is None:
+            num_mb = -(-gb_data.size // mbs)
+            batches = ((mb, False) for mb in micro_batches(gb_data, mbs, device))
+        else:
+            planned = plan.micro_batches(gb)
+            if wrapped:  # every rank must run as many forward/backward passes as the busiest one
+                planned = with_replays(planned, max(comm.all_gather_object(sum(m.end > m.start for m in planned))))
+            planned = [m for m in planned if m.end > m.start]
+            num_mb = len(planned)
+            batches = ((cut(gb_data, m).to(device), m.replay) for m in planned)
+        for i, (mb, replay) in enumerate(batches):
+            valid = not replay and float(mb["sample_mask"].float().sum()) > 0
             if wrapped and valid:  # no loss position: a dummy too (an FSDP2 backward must pass through every unit)
                 valid = float((valid_tokens(mb).float() * mb["sample_mask"].float()[:, None]).sum()) > 0
             if not valid and not wrapped:

@@ -29,6 +29,7 @@ from relayrl.data_plane.schema import (
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.facade_base import ModelFacade, timed
+from relayrl.models.microbatch import PlannerArgs, packing_args, shard_meta
 from relayrl.models.worker_base import TQModelWorker
 from relayrl.utils.timer import Timer
 
@@ -161,12 +162,11 @@ class TQFacade(ModelFacade[TW]):
         self.dp_client.put_samples(meta.keys, meta.partition_id, cols)
 
     # ------------------------------------------------------------------ dispatch
-    def _packing_args(self, mb_tokens_key: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """(sequence_packing_args, dynamic_batching_args) for a stage (`logprob_mb_tokens` / `train_mb_tokens`).
-        relayrl's models have neither sequence packing nor dynamic batching yet, so both are None."""
-        if mb_tokens_key not in ("logprob_mb_tokens", "train_mb_tokens"):
-            raise ValueError(f"_packing_args: unknown stage key {mb_tokens_key!r}")
-        return None, None
+    def _packing_args(self, mb_tokens_key: str) -> PlannerArgs:
+        """(sequence_packing_args, dynamic_batching_args) for a stage (`logprob_mb_tokens` / `train_mb_tokens`):
+        the planner's arguments (`models.microbatch.plan_rows`) from this model's `sequence_packing` /
+        `dynamic_batching` config (at most one set; both None when both are off), fresh dicts every call."""
+        return packing_args(self.cfg, mb_tokens_key)
 
     def _meta_shards(
         self,
@@ -184,6 +184,8 @@ class TQFacade(ModelFacade[TW]):
         packing, dynamic = self._packing_args(stage)
         sub = dataclasses.replace(meta, fields=list(fields), task_name=task_name)
         with timed(timer, label):
+            if packing is not None or dynamic is not None:  # the planner both trainers share
+                return shard_meta(sub, self.dp_size, batch_size, (packing, dynamic))
             return shard_meta_for_dp(
                 sub, self.dp_size, batch_size=batch_size, sequence_packing_args=packing, dynamic_batching_args=dynamic
             )

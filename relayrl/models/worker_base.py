@@ -2,7 +2,8 @@
 
 `ModelWorker` owns the mechanics both replicas run the same way: loading (rank 0's weights broadcast to every
 rank), activation checkpointing, the data-parallel wrapper, AdamW and the LR schedule, the train() loop
-(`models.optim.train_global_batches`), micro-batching, train/inference memory phases and checkpoint save/load.
+(`models.optim.train_global_batches`), micro-batching (`models.microbatch` plans packed and dynamic ones), memory
+phases and checkpoint save/load.
 A subclass says how its network is loaded and saved and what one micro-batch's loss is. `TQModelWorker` adds the
 data-plane entry points both data-plane workers share (fetch this rank's keys, train on them, report counters).
 
@@ -32,6 +33,7 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.distributed.parallelize import wrap_model
+from relayrl.models.microbatch import planned, with_plan
 from relayrl.models.optim import (
     all_reduce_clip_and_step,
     load_optimizer_checkpoint,
@@ -235,6 +237,7 @@ class ModelWorker:
             raise RuntimeError(f"train() needs an optimizer but the {self.owner} was built with init_optimizer=False")
         device = self._model_device()
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
+        data, plan, _ = planned(data, self.cfg, "train_mb_tokens", max(gbs // self.comm.world_size, 1))
         with self._mode(self.model, not eval_mode), grad_ctx:
             result = train_global_batches(
                 data=data,
@@ -253,6 +256,7 @@ class ModelWorker:
                 rank=self.rank,
                 dp=self.dp,
                 zero_loss=self._zero_loss,
+                plan=plan,
             )
         if not eval_mode:
             dev.empty_cache(self.device)
@@ -376,7 +380,7 @@ class TQModelWorker(ModelWorker, DataPlaneWorkerMixin):
         per-token column `field`. Returns None: only the store sees the result."""
         if meta.size == 0:  # more ranks than rows: this rank has nothing to do
             return None
-        result = compute(self._fetch(meta, fields), micro_batch_size)  # [n, W] at the global forward width
+        result = compute(with_plan(self._fetch(meta, fields), self.cfg, meta.extra_info), micro_batch_size)  # [n, W]
         if result_key not in result:
             raise RuntimeError(f"worker result is missing key '{result_key}' (has {sorted(result)})")
         self._write_back_result_field(meta, field, result[result_key], per_token=True)
@@ -390,7 +394,8 @@ class TQModelWorker(ModelWorker, DataPlaneWorkerMixin):
             raise ValueError(
                 "train_presharded: this rank's meta has no keys; the global batch must give every rank rows"
             )
-        return self.train(self._complete_train_batch(self._fetch(meta)), loss_fn, eval_mode, gbs, mbs)
+        data = with_plan(self._complete_train_batch(self._fetch(meta)), self.cfg, meta.extra_info)
+        return self.train(data, loss_fn, eval_mode, gbs, mbs)
 
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
         """This rank's client counters (`data_plane/*`), so the driver can total the bytes every client moved."""

@@ -102,13 +102,13 @@ def check_refit(policy: Policy, cfg: PolicyConfig) -> None:
     gen = load_causal_lm(cfg)
     assert any(not torch.equal(v, gen.state_dict()[k]) for k, v in live.items())  # stale before the refit
     port = free_port()
-    (joined,) = policy.init_collective("127.0.0.1", port, 3, train_world_size=2)
+    joined = policy.init_collective("127.0.0.1", port, 3, train_world_size=2)  # one handle per training rank
     group = refit.WeightUpdateGroup("127.0.0.1", port, 2, 3, timeout_s=120)
-    assert joined.result() == [True, True]
+    assert [h.result() for h in joined] == [True, True]
     kv = {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.1.self_attn.v_scale": 0.25}
-    (sent,) = policy.broadcast_weights_for_collective(kv)
+    sent = policy.broadcast_weights_for_collective(kv)
     assert group.receive_weights(info, refit.load_into_module(gen)) == kv
-    assert sent.result() == [True, True]
+    assert [h.result() for h in sent] == [True, True]
     assert_bit_identical(live, gen)
     # colocated: each training rank streams to "its" generation worker on the same device (here: host + local rank)
     receivers = [load_causal_lm(cfg) for _ in range(2)]
@@ -121,8 +121,8 @@ def check_refit(policy: Policy, cfg: PolicyConfig) -> None:
     threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
-    (streamed,) = policy.stream_weights_via_ipc_zmq(64 << 10)  # 64 KiB buckets: several per rank
-    assert streamed.result() == [True, True]
+    streamed = policy.stream_weights_via_ipc_zmq(64 << 10)  # 64 KiB buckets: several per rank
+    assert [h.result() for h in streamed] == [True, True]
     for t in threads:
         t.join(60)
     assert results == {0: True, 1: True}

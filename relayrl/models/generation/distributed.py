@@ -15,12 +15,18 @@ so a resumed run samples exactly what the uninterrupted one would have.
   group at construction; training rank 0 broadcasts and every worker receives, concurrently.
 
 Refit time and bytes are kept as `refit/*` metrics (`refit_metrics()`).
+
+FP8 KV cache (`kv_cache_dtype=fp8`, `requires_kv_scale_sync`): the driver hands the policy's calibrated scales to
+`set_kv_scales` and the next refit carries them: in the collective broadcast
+(`broadcast_weights_for_collective(kv_scales)`), or, colocated (the IPC stream takes weights only), in a call to
+every worker right after it. New scales for weights the workers already hold go out by that call alone.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -92,6 +98,8 @@ class DistributedGeneration(GenerationInterface):
         self._synced_version: int | None = None  # None: never refitted (fresh or random-init workers)
         self._metrics: dict[str, float] = {}
         self._totals = {"count": 0.0, "seconds": 0.0, "bytes": 0.0}
+        self._kv_scales: dict[str, float] | None = None  # FP8 KV-cache scales for the workers (set_kv_scales)
+        self._kv_scales_pending = False  # set since the workers last received them
         gen_cluster = generation_cluster(config, cluster)
         train_world = int(policy.dp_size)
         self._group: WorkerGroup[GenerationWorker] = build_worker_group(
@@ -119,11 +127,12 @@ class DistributedGeneration(GenerationInterface):
         """Training ranks 0..T-1 and generation workers T.. in one group, rendezvousing at training rank 0."""
         ip, port = _rank0_endpoint(self._policy)
         world = train_world + self._group.world_size
-        (training,) = self._policy.init_collective(ip, port, world, train_world_size=train_world)
+        training = self._policy.init_collective(ip, port, world, train_world_size=train_world)  # one per rank
         joined = run_all_async(
             self._group, GenerationWorker.init_collective, ip, port, world, train_world_size=train_world
         )
-        training.result()
+        for handle in training:
+            handle.result()
         joined.result()
 
     # ------------------------------------------------------------------ state
@@ -154,6 +163,21 @@ class DistributedGeneration(GenerationInterface):
             self._generator.set_state(self._rng_delegate.get_rng_state().clone())
         self._rng_delegate = delegate
 
+    @property
+    def requires_kv_scale_sync(self) -> bool:
+        """Whether the workers' caches are FP8 (`kv_cache_dtype=fp8`): calibrated scales should follow each refit."""
+        return self.config.kv_cache_dtype == "fp8"
+
+    def set_kv_scales(self, kv_scales: Mapping[str, float] | None) -> None:
+        """FP8 KV-cache scales (a `calibrate_qkv_fp8_scales(...)["layers"]` dict) for the workers; they go out
+        at the next prepare_for_generation (with the refit when the policy trained since the last one)."""
+        self._kv_scales = None if kv_scales is None else {str(k): float(v) for k, v in kv_scales.items()}
+        self._kv_scales_pending = True
+
+    def worker_kv_scales(self) -> list[dict[str, float] | None]:
+        """The FP8 scales every worker's engine uses (None: none received)."""
+        return self._group.run_all(GenerationWorker.get_kv_scales)
+
     def refit_metrics(self) -> dict[str, float]:
         """`refit/*` of the last refit (time, bytes received per worker, ms per MB) and running totals."""
         out = dict(self._metrics)
@@ -170,6 +194,9 @@ class DistributedGeneration(GenerationInterface):
             self._refit()
             self._group.run_all(GenerationWorker.set_weights_version, version)
             self._synced_version = version
+        elif self._kv_scales_pending:  # new scales for the weights the workers hold
+            self._group.run_all(GenerationWorker.set_kv_scales, self._kv_scales)
+        self._kv_scales_pending = False
         return True
 
     def _refit(self) -> None:
@@ -177,14 +204,17 @@ class DistributedGeneration(GenerationInterface):
         if self.colocated:
             self._policy.offload_before_refit()
             receiving = run_all_async(self._group, GenerationWorker.update_weights_via_ipc_zmq)
-            (sending,) = self._policy.stream_weights_via_ipc_zmq(self.refit_buffer_bytes)
-            sending.result()
+            for handle in self._policy.stream_weights_via_ipc_zmq(self.refit_buffer_bytes):  # one per rank
+                handle.result()
             received = receiving.result()
             self._policy.offload_after_refit()
-        else:
-            (sending,) = self._policy.broadcast_weights_for_collective()
+            if self._kv_scales_pending:  # the IPC stream carries weights only
+                self._group.run_all(GenerationWorker.set_kv_scales, self._kv_scales)
+        else:  # the KV scales (None unless set) travel with the broadcast
+            sending = self._policy.broadcast_weights_for_collective(self._kv_scales)  # one handle per training rank
             receiving = run_all_async(self._group, GenerationWorker.update_weights_from_collective)
-            sending.result()
+            for handle in sending:
+                handle.result()
             received = receiving.result()
         seconds = time.perf_counter() - start
         nbytes = float(sum(r["bytes"] for r in received))
@@ -272,9 +302,10 @@ def _rank0_endpoint(policy: Any) -> tuple[str, int]:
     group = getattr(policy, "_group", None)
     actor = getattr(group, "actor", None)
     if callable(actor):  # Ray: ask the actor hosting rank 0 (it may run on another node than the driver)
-        import ray
+        from relayrl.distributed.ray_executor import get_within
 
-        info = ray.get(actor(0).node_info.remote())
+        timeout_s: float = group.call_timeout_s  # type: ignore[union-attr]  # a RayWorkerGroup here
+        info = get_within(actor(0).node_info.remote(), timeout_s, "training rank 0's address", "cluster.call_timeout_s")
         return str(info["ip"]), int(info["port"])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -7,12 +7,16 @@ are done. Llama-family models (llama, mistral, qwen2, qwen3) go through `FastDec
 the model's own weight tensors (read in place, no copy); anything else runs through the model's HF forward with a
 `DynamicCache`. Ragged right-padded prompts are left-padded internally (position ids count real tokens only) and
 the results are mapped back to the right-padded layout of `GenerationOutputSpec`.
+
+With `kv_cache_dtype=fp8` the cache holds float8 e4m3 values with per-layer scales (`fp8_kv`): the calibrated ones
+handed to `set_kv_scales` (a driver, or a generation worker receiving them with its refit), else 1.0 (logged once).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +24,7 @@ from torch import nn
 
 from relayrl.config import GenerationConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.models import fp8_kv
 from relayrl.models.fast.decoder import FastDecoder, HfDecoder
 from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
@@ -27,6 +32,8 @@ from relayrl.models.generation.sampling import TokenSampler
 
 #: Drop finished rows from the live batch (KV cache included) once at most this fraction of it is still running.
 COMPACT_WHEN_ALIVE_FRACTION = 0.75
+
+logger = logging.getLogger(__name__)
 
 
 class ModelSource(Protocol):
@@ -87,6 +94,8 @@ class HfGeneration(GenerationInterface):
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._restore_training: bool | None = None
         self._closed = False
+        self._kv_scales: dict[str, float] | None = None  # calibrated FP8 scales (kv_cache_dtype=fp8)
+        self._warned_unit_scales = False
         _ = self.uses_fast_path  # fail early when fast_path=True cannot be honoured
 
     # ------------------------------------------------------------------ state
@@ -109,6 +118,35 @@ class HfGeneration(GenerationInterface):
         if self._fast_path and reason is not None:
             raise ValueError(f"fast_path=True but this model cannot use it: {reason}")
         return self._fast_path is not False and reason is None
+
+    @property
+    def requires_kv_scale_sync(self) -> bool:
+        """Whether the cache is FP8 (`kv_cache_dtype=fp8`), so calibrated scales should follow every refit."""
+        return self.config.kv_cache_dtype == "fp8"
+
+    @property
+    def kv_scales(self) -> dict[str, float] | None:
+        """The FP8 scales in use (a copy; None before any were set)."""
+        return None if self._kv_scales is None else dict(self._kv_scales)
+
+    def set_kv_scales(self, kv_scales: Mapping[str, float] | None) -> None:
+        """Use these FP8 KV-cache scales (a calibration's `layers` dict; q scales are ignored) from the next
+        generate() on; None goes back to unit scales. Checked against the model's layer count."""
+        if kv_scales is not None:
+            fp8_kv.kv_cache_scales(kv_scales, fp8_kv.num_layers(self.model))
+        self._kv_scales = None if kv_scales is None else {str(k): float(v) for k, v in kv_scales.items()}
+
+    def _cache_scales(self, model: nn.Module) -> list[tuple[float, float]] | None:
+        """(k_scale, v_scale) per layer for an FP8 cache; None for a cache in the model's dtype."""
+        if not self.requires_kv_scale_sync:
+            return None
+        num_layers = fp8_kv.num_layers(model)
+        if self._kv_scales is None:
+            if not self._warned_unit_scales:
+                logger.warning("kv_cache_dtype=fp8 without calibrated scales: using 1.0 (set_kv_scales to calibrate)")
+                self._warned_unit_scales = True
+            return [(1.0, 1.0)] * num_layers
+        return fp8_kv.kv_cache_scales(self._kv_scales, num_layers)
 
     def get_rng_state(self) -> torch.Tensor:
         """Sampling generator state (save it with a checkpoint for an exact resume)."""
@@ -266,10 +304,13 @@ class HfGeneration(GenerationInterface):
         n_max = int(limits.max())
         left_ids, key_valid, positions = _left_pad(input_ids, lengths, self.pad_token_id)  # [B, P] each
         prompt_cols = left_ids.shape[1]
+        scales = self._cache_scales(model)
         if self.uses_fast_path:
-            decoder: FastDecoder | HfDecoder = FastDecoder(model, native=self.config.native_cpu_decode)
+            decoder: FastDecoder | HfDecoder = FastDecoder(
+                model, native=self.config.native_cpu_decode, kv_scales=scales
+            )
         else:
-            decoder = HfDecoder(model)
+            decoder = HfDecoder(model, kv_scales=scales)
         # GRPO repeats each prompt: prefill each distinct prompt once and fan its cache out to the repeats.
         unique, inverse = torch.unique(torch.cat([left_ids, key_valid.long()], 1), dim=0, return_inverse=True)
         if unique.shape[0] < batch:

@@ -11,6 +11,8 @@ over it, and receives the trained weights after every optimizer step (§5.8 / §
 
 Received tensors are copied into the worker's module in place; the engine reads that module directly (no second
 copy), and its `weights_version` is set by the driver after each refit so a stale engine refuses to generate.
+FP8 KV-cache scales (`kv_cache_dtype=fp8`) arrive with the collective broadcast (`receive_weights` returns them);
+the ZMQ IPC stream carries weights only, so a colocated driver sends them with `set_kv_scales`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,14 @@ class GenerationWorker:
         self.engine.prepare_for_generation()
         return True
 
+    def set_kv_scales(self, kv_scales: dict[str, float] | None) -> bool:
+        """The FP8 KV-cache scales the engine uses from the next generate() on (see `HfGeneration.set_kv_scales`)."""
+        self.engine.set_kv_scales(kv_scales)
+        return True
+
+    def get_kv_scales(self) -> dict[str, float] | None:
+        return self.engine.kv_scales
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's weights on the CPU (tests compare them with the policy's)."""
         return {k: v.detach().cpu().clone() for k, v in self._source.model.state_dict().items()}
@@ -141,11 +151,14 @@ class GenerationWorker:
         return True
 
     def update_weights_from_collective(self) -> dict[str, float]:
-        """Receive training rank 0's broadcast into the module; returns bytes and seconds."""
+        """Receive training rank 0's broadcast into the module (and its FP8 KV scales, when it sent any);
+        returns bytes and seconds."""
         if self._weight_group is None:
             raise RuntimeError("update_weights_from_collective: call init_collective first")
         start = time.perf_counter()
-        self._weight_group.receive_weights(self._manifest(), refit.load_into_module(self._source.model))
+        kv_scales = self._weight_group.receive_weights(self._manifest(), refit.load_into_module(self._source.model))
+        if kv_scales is not None:
+            self.engine.set_kv_scales(kv_scales)
         return {"bytes": float(self._manifest_bytes()), "seconds": time.perf_counter() - start}
 
     def shutdown(self) -> bool:

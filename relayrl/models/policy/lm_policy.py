@@ -9,7 +9,8 @@ weights of rank 0 directly (`generation_source`).
 
 from __future__ import annotations
 
-from typing import Any, Unpack
+import threading
+from typing import Any, Generic, TypeVar, Unpack
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -18,11 +19,47 @@ from relayrl.config import ClusterConfig, PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.executor import PendingResults, run_all_async
 from relayrl.distributed.local import LocalWorkerGroup
-from relayrl.models.facade_base import ROW_KEYS, ModelFacade, check_batch, timed
+from relayrl.models.facade_base import ROW_KEYS, ModelFacade, check_batch, rows_in_order, timed
 from relayrl.models.policy.interfaces import ColocatablePolicyInterface
 from relayrl.models.policy.worker import PolicyWorker
 from relayrl.models.worker_base import ModelOptions
 from relayrl.utils.timer import Timer
+
+R = TypeVar("R")
+
+
+class _SharedCall(Generic[R]):
+    """A call started on every rank, waited for once however many handles ask (results cached)."""
+
+    def __init__(self, pending: PendingResults[R]) -> None:
+        self._pending = pending
+        self._lock = threading.Lock()
+        self._results: list[R] | None = None
+
+    def result(self, timeout: float | None = None) -> list[R]:
+        with self._lock:
+            if self._results is None:
+                self._results = self._pending.result(timeout)
+            return self._results
+
+
+class WorkerCall(Generic[R]):
+    """One worker's handle on a call started on every rank (what the seed's `list[ray.ObjectRef]` holds one of per
+    worker): `result()` waits and returns this worker's result. The ranks run the call together (a collective), so
+    a handle resolves once the whole call has, with the group's failure handling (a dead or stuck rank is named)."""
+
+    def __init__(self, call: _SharedCall[R], rank: int) -> None:
+        self._call = call
+        self.rank = rank
+
+    def result(self, timeout: float | None = None) -> R:
+        return self._call.result(timeout)[self.rank]
+
+
+def per_worker(pending: PendingResults[R], world_size: int) -> list[WorkerCall[R]]:
+    """One handle per worker (rank order) on a call `run_all_async` started on every rank."""
+    shared = _SharedCall(pending)
+    return [WorkerCall(shared, rank) for rank in range(world_size)]
 
 
 class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
@@ -93,10 +130,10 @@ class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
             raise ValueError(f"get_topk_logits: k must be a positive int, got {k!r}")
         mbs = micro_batch_size or self.logprob_batch_size
         with timed(timer, "get_topk_logits"):
-            parts = self._group.run_sharded(PolicyWorker.get_topk_logits, self._shards(data), k, mbs)
+            parts, unsorted = self._run_rows(data, PolicyWorker.get_topk_logits, k, mbs)
         return BatchedDataDict(
-            topk_logits=torch.cat([p["topk_logits"] for p in parts]),  # [B, S-1, k]
-            topk_indices=torch.cat([p["topk_indices"] for p in parts]),  # [B, S-1, k]
+            topk_logits=rows_in_order(parts, "topk_logits", unsorted),  # [B, S-1, k]
+            topk_indices=rows_in_order(parts, "topk_indices", unsorted),  # [B, S-1, k]
         )
 
     # ------------------------------------------------------------------ calibration
@@ -134,21 +171,20 @@ class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
         return self._group.run_rank0(PolicyWorker.prepare_refit_info)
 
     # ------------------------------------------------------------------ separate generation workers
-    # Each returns at once with one future (`.result()` -> per-rank results) so that the driver can run the
-    # generation side's matching call concurrently (§5.8 / §5.9).
-    def init_collective(
-        self, ip: str, port: int, world_size: int, *, train_world_size: int
-    ) -> list[PendingResults[bool]]:
-        return [
-            run_all_async(
-                self._group, PolicyWorker.init_collective, ip, port, world_size, train_world_size=train_world_size
-            )
-        ]
+    # Each starts the call on every rank and returns at once with one handle per worker (rank order; `.result()`
+    # -> that worker's result), so that the driver can run the generation side's matching call concurrently.
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[WorkerCall[bool]]:
+        call = run_all_async(
+            self._group, PolicyWorker.init_collective, ip, port, world_size, train_world_size=train_world_size
+        )
+        return per_worker(call, self.dp_size)
 
     def stream_weights_via_ipc_zmq(
         self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
-    ) -> list[PendingResults[bool]]:
-        return [run_all_async(self._group, PolicyWorker.stream_weights_via_ipc_zmq, buffer_size_bytes, kv_scales)]
+    ) -> list[WorkerCall[bool]]:
+        call = run_all_async(self._group, PolicyWorker.stream_weights_via_ipc_zmq, buffer_size_bytes, kv_scales)
+        return per_worker(call, self.dp_size)
 
-    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[PendingResults[bool]]:
-        return [run_all_async(self._group, PolicyWorker.broadcast_weights_for_collective, kv_scales)]
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[WorkerCall[bool]]:
+        call = run_all_async(self._group, PolicyWorker.broadcast_weights_for_collective, kv_scales)
+        return per_worker(call, self.dp_size)

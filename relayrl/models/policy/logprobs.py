@@ -20,6 +20,10 @@ from torch.utils.checkpoint import checkpoint
 
 #: Float32 bytes one [rows, chunk, V] slab may use when no chunk size is configured.
 DEFAULT_CHUNK_BUDGET_BYTES = 64 * 2**20
+#: ... in a no-grad pass over a packed micro-batch (sequence packing), whose thousands of positions would otherwise
+#: make each slab larger than the buffers the CPU allocator keeps for reuse (32 MiB, `cluster.retain_freed_memory`):
+#: every chunk's logits would be page-faulted in afresh.
+PACKED_CHUNK_BUDGET_BYTES = 8 * 2**20
 
 LMHead = Callable[[torch.Tensor], torch.Tensor]  # [B, C, H] -> [B, C, V] logits (any float dtype)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Unpack
@@ -24,7 +23,9 @@ from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import PolicyConfig
 from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.fast.forward import backbone_hidden_states, selected_hidden_states
+from relayrl.models import fp8_kv
+from relayrl.models.fast.forward import backbone_hidden_states, hf_hidden_states, selected_hidden_states
+from relayrl.models.microbatch import pass_batches, place
 from relayrl.models.policy import logprobs as lp_ops
 from relayrl.models.worker_base import (
     LOAD_LOCK,
@@ -36,9 +37,6 @@ from relayrl.models.worker_base import (
 )
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
-
-FP8_E4M3_MAX = 448.0
-_ATTN_PROJ = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([qkv])_proj$")
 
 
 def load_causal_lm(config: PolicyConfig, weights_path: str | None = None) -> PreTrainedModel:
@@ -122,17 +120,24 @@ class PolicyWorker(ModelWorker):
             return head
         return lambda h: torch.tanh(head(h) / cap) * cap
 
-    def _chunk_size(self, rows: int, model: PreTrainedModel) -> int:
-        vocab = model.get_output_embeddings().weight.shape[0]
-        return self.cfg.logprob_chunk_size or lp_ops.auto_chunk_size(rows, vocab)
+    @staticmethod
+    def _vocab(model: PreTrainedModel) -> int:
+        return int(model.get_output_embeddings().weight.shape[0])
 
-    def _hidden(self, model: PreTrainedModel, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, S, H] of the backbone; attention limited to each row's real tokens.
+    def _chunk_size(self, rows: int, model: PreTrainedModel) -> int:
+        return self.cfg.logprob_chunk_size or lp_ops.auto_chunk_size(rows, self._vocab(model))
+
+    def _hidden(
+        self, model: PreTrainedModel, input_ids: torch.Tensor, input_lengths: torch.Tensor, packed: bool = False
+    ) -> torch.Tensor:
+        """Final hidden states [B, S, H] of the backbone; attention limited to each row's real tokens (`packed`: each
+        sequence's own, over the rows as one packed stream).
 
         Llama-family models take the packed fast path (positions at or past a row's length come back as zeros);
-        others, and models with hooks (FP8 calibration), go through HF's forward.
+        others, and models with hooks, go through HF's forward.
         """
-        return backbone_hidden_states(model, input_ids, input_lengths, native=self.cfg.native_cpu_ops)
+        native = self.cfg.native_cpu_ops
+        return backbone_hidden_states(model, input_ids, input_lengths, native=native, packed=packed)
 
     def _next_token_logprobs(
         self,
@@ -156,9 +161,18 @@ class PolicyWorker(ModelWorker):
         positions = torch.arange(seq - 1, device=input_ids.device)  # [S-1]
         select = select.to(input_ids.device).bool() & (positions[None, :] < lengths.to(input_ids.device)[:, None] - 1)
         rows_per_chunk = self.cfg.logprob_chunk_size * batch if self.cfg.logprob_chunk_size else None
+        packed = self.cfg.sequence_packing.enabled
+        if packed and rows_per_chunk is None and not torch.is_grad_enabled():  # no-grad packed micro-batches hold
+            # many rows: small head slabs (training keeps the default, where more chunks would mean recomputation)
+            rows_per_chunk = lp_ops.auto_chunk_size(1, self._vocab(model), lp_ops.PACKED_CHUNK_BUDGET_BYTES)
         with dev.autocast(self.device, self.cfg.precision):
             hidden = selected_hidden_states(
-                model, input_ids, lengths, F.pad(select, (0, 1)), native=self.cfg.native_cpu_ops
+                model,
+                input_ids,
+                lengths,
+                F.pad(select, (0, 1)),
+                native=self.cfg.native_cpu_ops,
+                packed=packed,
             )  # [M, H]
             lp, plain = lp_ops.selected_logprobs(
                 hidden,
@@ -202,9 +216,9 @@ class PolicyWorker(ModelWorker):
     ) -> torch.Tensor:
         mbs = mbs or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
         device = self._model_device(model)
-        outs = [torch.zeros(0, data["input_ids"].shape[1])]
+        out = torch.zeros(data["input_ids"].shape)  # [B, S]
         with self._mode(model, False), torch.no_grad():
-            for mb in self._micro_batches(data, mbs, device):
+            for rows, mb in pass_batches(data, self.cfg, mbs, device):
                 keep = torch.ones_like(mb["input_ids"][:, 1:], dtype=torch.bool)  # [b, S-1]
                 if filtered:  # only loss positions are kept (the rest would be zeroed)
                     if "token_mask" in mb:
@@ -214,17 +228,20 @@ class PolicyWorker(ModelWorker):
                 lp, _ = self._next_token_logprobs(model, mb, keep, filtered=filtered)  # [b, S-1]
                 if filtered:  # -inf (sampled token outside the kept set) -> 0
                     lp = lp_ops.zero_invalid(lp, keep)
-                outs.append(lp_ops.token_aligned(lp, mb["input_lengths"]).float().cpu())  # [b, S]
-        return torch.cat(outs)  # [B, S]
+                place(out, rows, lp_ops.token_aligned(lp, mb["input_lengths"]).float().cpu())  # [b, S] or [b, w]
+        return out  # [B, S]
 
     def get_topk_logits(self, data: BatchedDataDict, k: int, micro_batch_size: int | None = None) -> BatchedDataDict:
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
-        seq = data["input_ids"].shape[1]
-        values, indices = [torch.zeros(0, max(seq - 1, 0), k)], [torch.zeros(0, max(seq - 1, 0), k, dtype=torch.long)]
+        rows_total, seq = data["input_ids"].shape
+        values = torch.zeros(rows_total, max(seq - 1, 0), k)  # [B, S-1, k]
+        indices = torch.zeros(rows_total, max(seq - 1, 0), k, dtype=torch.long)  # [B, S-1, k]
+        packed = self.cfg.sequence_packing.enabled
         with self._mode(self.model, False), torch.no_grad():
-            for mb in self._micro_batches(data, mbs, self._model_device(self.model)):
+            for rows, mb in pass_batches(data, self.cfg, mbs, self._model_device(self.model)):
+                width = mb["input_ids"].shape[1]  # S, or the micro-batch's own width under packing / dynamic batching
                 with dev.autocast(self.device, self.cfg.precision):
-                    hidden = self._hidden(self.model, mb["input_ids"], mb["input_lengths"])  # [b, S, H]
+                    hidden = self._hidden(self.model, mb["input_ids"], mb["input_lengths"], packed)  # [b, w, H]
                     v, i = lp_ops.topk_logits(
                         hidden,
                         self._lm_head(self.model),
@@ -233,10 +250,12 @@ class PolicyWorker(ModelWorker):
                         chunk_size=self._chunk_size(hidden.shape[0], self.model),
                     )  # [b, S-1, k]
                 # Position t predicts token t+1; it is padding once t+1 reaches the row's length.
-                pad = torch.arange(seq - 1, device=v.device)[None, :] >= (mb["input_lengths"].to(v.device) - 1)[:, None]
-                values.append(v.masked_fill(pad[..., None], 0.0).float().cpu())
-                indices.append(i.masked_fill(pad[..., None], 0).long().cpu())
-        return BatchedDataDict(topk_logits=torch.cat(values), topk_indices=torch.cat(indices))
+                pad = (
+                    torch.arange(width - 1, device=v.device)[None, :] >= (mb["input_lengths"].to(v.device) - 1)[:, None]
+                )
+                place(values, rows, v.masked_fill(pad[..., None], 0.0).float().cpu())
+                place(indices, rows, i.masked_fill(pad[..., None], 0).long().cpu())
+        return BatchedDataDict(topk_logits=values, topk_indices=indices)
 
     # ------------------------------------------------------------------ training (the loop is ModelWorker.train)
     def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
@@ -276,45 +295,42 @@ class PolicyWorker(ModelWorker):
     def calibrate_qkv_fp8_scales(
         self, data: BatchedDataDict, micro_batch_size: int | None, percentile: float, margin: float, include_q: bool
     ) -> dict[str, Any]:
-        """Per-layer FP8 scales from the percentile of per-micro-batch |q|/|k|/|v| maxima over real tokens."""
+        """Per-layer FP8 scales of the attention inputs, as the reference computes them (§5.6).
+
+        Every attention call of HF's forward shows its q, k, v (after the q/k norms and RoPE: what the KV cache
+        holds) to an observer, which keeps max |t| over the micro-batch's real tokens (padding positions are not
+        attention inputs of any real token and are left out). Per layer and tensor: the nearest-rank `percentile`
+        of those per-call maxima, the elementwise max over data-parallel ranks, times margin / FP8 max (448, or
+        env FP8_MAX_Q/K/V). Returns {"format": "fp8", "percentile", "margin", "layers": {name: scale}} with the
+        names of `fp8_kv.scale_name`.
+        """
         wanted = ("q", "k", "v") if include_q else ("k", "v")
         samples: dict[tuple[int, str], list[float]] = defaultdict(list)
-        token_mask: dict[str, torch.Tensor] = {}
-        hooks = []
+        real: dict[str, torch.Tensor] = {}
 
-        def make_hook(layer: int, which: str) -> Callable[..., None]:
-            def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-                per_token = output.detach().abs().amax(dim=-1).float()  # [b, S]
-                samples[(layer, which)].append(float(per_token.masked_fill(~token_mask["m"], 0.0).max()))
+        def observe(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            layer = int(getattr(module, "layer_idx"))  # noqa: B009 - HF attention modules carry it
+            for which, tensor in zip("qkv", (q, k, v)):
+                if which in wanted:
+                    samples[(layer, which)].append(fp8_kv.masked_amax(tensor, real["m"]))
 
-            return hook
-
-        for name, module in self.model.named_modules():
-            match = _ATTN_PROJ.search(name)
-            if match and match.group(2) in wanted:
-                hooks.append(module.register_forward_hook(make_hook(int(match.group(1)), match.group(2))))
-        if not hooks:
-            raise ValueError(f"{type(self.model).__name__} has no layers.N.self_attn.{{q,k,v}}_proj modules")
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
-        try:
-            with self._mode(self.model, False), torch.no_grad():
-                for mb in self._micro_batches(data, mbs, self._model_device(self.model)):
-                    seq = mb["input_ids"].shape[1]
-                    token_mask["m"] = (
-                        torch.arange(seq, device=mb["input_ids"].device)[None] < mb["input_lengths"][:, None]
-                    )
-                    with dev.autocast(self.device, self.cfg.precision):
-                        self._hidden(self.model, mb["input_ids"], mb["input_lengths"])
-        finally:
-            for h in hooks:
-                h.remove()
+        device = self._model_device(self.model)
+        with fp8_kv.observe_attention_inputs(self.model, observe), self._mode(self.model, False), torch.no_grad():
+            for mb in self._micro_batches(data, mbs, device):
+                ids, lengths = mb["input_ids"], mb["input_lengths"].to(device)
+                real["m"] = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # [b, S]
+                with dev.autocast(self.device, self.cfg.precision):
+                    hf_hidden_states(self.model, ids, lengths)  # HF's forward: its attention calls are observed
+        if not samples and len(data["input_ids"]):
+            raise ValueError(f"{type(self.model).__name__}: no attention call was observed during calibration")
         amax = {key: percentile_of(vals, percentile) for key, vals in samples.items()}
         merged: dict[tuple[int, str], float] = {}
         for rank_amax in self.comm.all_gather_object(amax):  # elementwise max over data-parallel ranks
             for key, value in rank_amax.items():
                 merged[key] = max(merged.get(key, 0.0), value)
         layers = {
-            f"model.layers.{layer}.self_attn.{which}_scale": value * margin / FP8_E4M3_MAX
+            fp8_kv.scale_name(layer, which): value * margin / fp8_kv.fp8_max(which)
             for (layer, which), value in sorted(merged.items())
         }
         return {"format": "fp8", "percentile": percentile, "margin": margin, "layers": layers}

@@ -31,6 +31,7 @@ from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import ValueConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.fast.forward import backbone_hidden_states
+from relayrl.models.microbatch import pass_batches, place
 from relayrl.models.worker_base import LOAD_LOCK, MicrobatchLoss, ModelWorker, read_hf_config
 from relayrl.utils import device as dev
 from relayrl.utils.paths import resolve_model_path
@@ -48,13 +49,14 @@ class ValueModel(nn.Module):
         self.model = backbone
         self.score = head
 
-    def head_output(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-        """Raw head output [B, S] (float32): position t summarises tokens <= t."""
-        hidden = backbone_hidden_states(self.model, input_ids, input_lengths)  # [B, S, H]; zeros past a row's end
+    def head_output(self, input_ids: torch.Tensor, input_lengths: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """Raw head output [B, S] (float32): position t summarises tokens <= t (`packed`: the rows run as one packed
+        stream, each sequence attending to its own tokens; sequence packing)."""
+        hidden = backbone_hidden_states(self.model, input_ids, input_lengths, packed=packed)  # [B, S, H]
         return self.score(hidden).squeeze(-1).float()  # [B, S]
 
-    def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
-        return right_shift(self.head_output(input_ids, input_lengths), input_lengths)  # [B, S]
+    def forward(self, input_ids: torch.Tensor, input_lengths: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        return right_shift(self.head_output(input_ids, input_lengths, packed), input_lengths)  # [B, S]
 
 
 def right_shift(head: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
@@ -157,17 +159,18 @@ class ValueWorker(ModelWorker):
         save_value_model(self.model, path)
 
     def _values(self, mb: BatchedDataDict, model: nn.Module | None = None) -> torch.Tensor:
+        packed = self.cfg.sequence_packing.enabled
         with dev.autocast(self.device, self.cfg.precision):
-            return (model or self.model)(mb["input_ids"], mb["input_lengths"]).float()  # [b, S]
+            return (model or self.model)(mb["input_ids"], mb["input_lengths"], packed=packed).float()  # [b, S]
 
     # ------------------------------------------------------------------ passes
     def get_values(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
-        outs = [torch.zeros(0, data["input_ids"].shape[1])]
+        out = torch.zeros(data["input_ids"].shape)  # [B, S]
         with self._mode(self.model, False), torch.no_grad():
-            for mb in self._micro_batches(data, mbs, self._model_device()):
-                outs.append(self._values(mb).cpu())  # [b, S]
-        return BatchedDataDict(values=torch.cat(outs))  # [B, S]
+            for rows, mb in pass_batches(data, self.cfg, mbs, self._model_device()):
+                place(out, rows, self._values(mb).cpu())  # [b, S], or [b, w] under packing / dynamic batching
+        return BatchedDataDict(values=out)  # [B, S]
 
     # ------------------------------------------------------------------ training (the loop is ModelWorker.train)
     def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:

@@ -115,6 +115,9 @@ def test_penalty_refusal_names_the_keys():
     cfg = MasterConfig.model_validate({"reward_penalties": {"invalid_tool_call_advantage": -5.0}})
     with pytest.raises(NotImplementedError, match=r"reward_penalties\.invalid_tool_call_advantage.*data_plane"):
         _raise_if_message_level_advantage_penalties_enabled(cfg)
+    cfg = MasterConfig.model_validate({"grpo": {"malformed_thinking_advantage": -7.0}})  # the reference's key
+    with pytest.raises(NotImplementedError, match=r"\(grpo\.malformed_thinking_advantage\).*data_plane"):
+        _raise_if_message_level_advantage_penalties_enabled(cfg)
 
 
 def test_train_fields_for_step():

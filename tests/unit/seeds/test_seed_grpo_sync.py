@@ -1,6 +1,7 @@
 """Seed page 003, `nemo_rl.algorithms.grpo_sync` -> `relayrl.algorithms.grpo_sync`: every function the page names,
 with its exact signature, and what each returns: the logprob-error metrics from the step's tensors, validation's
-(val_metrics, timing_metrics) pair, dynamic sampling discarding filtered rows by sample id."""
+(val_metrics, timing_metrics) pair, the message-level penalty refusal naming the `grpo.*` keys, dynamic sampling
+discarding filtered rows by sample id."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from relayrl.algorithms import grpo, grpo_sync, validation
 from relayrl.algorithms.grpo_sync import (
     _apply_dynamic_sampling,
     _compute_seq_logprob_error_metrics,
+    _raise_if_message_level_advantage_penalties_enabled,
     validate_sync,
 )
 from relayrl.config import MasterConfig
@@ -270,6 +272,34 @@ def test_validation_runner_logs_timing_then_metrics() -> None:
     ]
     quiet = validation.validation_runner(_Generation([]), logger, lambda step: ({}, {}))  # type: ignore[arg-type]
     assert quiet(8) == {} and len(logger.calls) == 2  # nothing validated: nothing logged
+
+
+# ---------------------------------------------------------------------------------------------- penalties
+def test_message_level_penalty_refusal_names_the_grpo_keys() -> None:
+    _raise_if_message_level_advantage_penalties_enabled(MasterConfig())  # none set: nothing raised
+    both = MasterConfig.model_validate(
+        {"grpo": {"invalid_tool_call_advantage": -5.0, "malformed_thinking_advantage": -7.0}}
+    )
+    expected = r"\(grpo\.invalid_tool_call_advantage, grpo\.malformed_thinking_advantage\).*data_plane\.enabled=true"
+    with pytest.raises(NotImplementedError, match=expected):
+        _raise_if_message_level_advantage_penalties_enabled(both)
+    legacy_spelling = MasterConfig.model_validate({"reward_penalties": {"malformed_thinking_advantage": -7.0}})
+    with pytest.raises(NotImplementedError, match=r"\(reward_penalties\.malformed_thinking_advantage\)"):
+        _raise_if_message_level_advantage_penalties_enabled(legacy_spelling)
+
+
+def test_grpo_penalty_keys_drive_the_legacy_penalties() -> None:
+    from relayrl.algorithms.advantages import message_level_advantages
+
+    cfg = MasterConfig.model_validate(
+        {"grpo": {"invalid_tool_call_advantage": -5.0}, "reward_penalties": {"malformed_thinking_advantage": -7.0}}
+    )
+    assert message_level_advantages(cfg) == {"is_invalid_tool_call": -5.0, "has_malformed_thinking": -7.0}
+    assert list(message_level_advantages(cfg)) == ["is_invalid_tool_call", "has_malformed_thinking"]  # first wins
+    with pytest.raises(ValueError, match="grpo.invalid_tool_call_advantage and reward_penalties.invalid_tool_call"):
+        MasterConfig.model_validate(
+            {"grpo": {"invalid_tool_call_advantage": -5.0}, "reward_penalties": {"invalid_tool_call_advantage": -1.0}}
+        )
 
 
 # ---------------------------------------------------------------------------------------------- dynamic sampling

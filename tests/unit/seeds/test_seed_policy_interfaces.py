@@ -1,10 +1,18 @@
 """Seed page 000, `nemo_rl.models.policy.interfaces` -> `relayrl.models.policy.interfaces`: every TypedDict and
-abstract method the page names, with its exact signature; Policy and TQPolicy keep them."""
+abstract method the page names, with its exact signature, plus the refit methods' return shape (one handle per
+worker, as the page's `list[ray.ObjectRef]`)."""
 
 from __future__ import annotations
 
-import pytest
+import socket
+from pathlib import Path
+from typing import Any
 
+import pytest
+import torch
+
+from relayrl.config import ClusterConfig, PolicyConfig
+from relayrl.distributed import refit
 from relayrl.models.policy.interfaces import (
     ColocatablePolicyInterface,
     LogprobOutputSpec,
@@ -13,8 +21,9 @@ from relayrl.models.policy.interfaces import (
     ScoreOutputSpec,
     TopkLogitsOutputSpec,
 )
-from relayrl.models.policy.lm_policy import Policy
+from relayrl.models.policy.lm_policy import Policy, WorkerCall
 from relayrl.models.policy.tq_policy import TQPolicy
+from relayrl.models.policy.worker import load_causal_lm
 from tests.unit.seeds.seed_signature import assert_seed_signature, assert_typeddict, seed_methods
 
 
@@ -92,3 +101,43 @@ def test_implementations_keep_the_signatures(impl: type, name: str) -> None:
     assert issubclass(impl, ColocatablePolicyInterface) and not impl.__abstractmethods__  # type: ignore[attr-defined]
     seed = getattr(SeedPolicyInterface, name, None) or getattr(SeedColocatablePolicyInterface, name)
     assert_seed_signature(getattr(impl, name), seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_refit_calls_return_one_handle_per_worker(tiny_model_dir: Path, char_tokenizer: Any) -> None:
+    """Two in-process training ranks and this thread as generation rank 2 of the weight-update group: each refit
+    call returns at once with one handle per training rank; `result()` is that rank's own result."""
+    cfg = PolicyConfig(model_name=str(tiny_model_dir))
+    policy = Policy(cfg, char_tokenizer, cluster=ClusterConfig(workers_per_node=2, device="cpu"))
+    try:
+        info = policy.prepare_refit_info()
+        assert info is not None
+        port = _free_port()
+        joined = policy.init_collective("127.0.0.1", port, 3, train_world_size=2)
+        group = refit.WeightUpdateGroup("127.0.0.1", port, 2, 3, timeout_s=120)
+        assert [type(h) for h in joined] == [WorkerCall, WorkerCall] and [h.rank for h in joined] == [0, 1]
+        assert [h.result(timeout=120) for h in joined] == [True, True]
+
+        receiver = load_causal_lm(cfg)
+        with torch.no_grad():
+            for tensor in receiver.parameters():
+                tensor.zero_()  # stale weights: the broadcast must overwrite every one
+        kv = {"model.layers.0.self_attn.k_scale": 0.5}
+        sent = policy.broadcast_weights_for_collective(kv)
+        assert len(sent) == 2
+        assert group.receive_weights(info, refit.load_into_module(receiver)) == kv
+        assert [h.result(timeout=120) for h in sent] == [True, True]
+        live = policy.state_dict_for_refit()
+        assert all(torch.equal(t, receiver.state_dict()[k]) for k, t in live.items())
+
+        streamed = policy.stream_weights_via_ipc_zmq(1 << 20, kv_scales={"k_scale": 1.0})  # refused on each rank
+        assert len(streamed) == 2
+        with pytest.raises(ValueError, match="kv_scales must be None"):
+            streamed[1].result(timeout=120)
+    finally:
+        policy.shutdown()

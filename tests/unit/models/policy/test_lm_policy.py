@@ -225,7 +225,7 @@ def test_calibrate_qkv_fp8_scales(tiny_model_dir, char_tokenizer, vocab) -> None
     kv = scales()
     assert set(kv) == {f"model.layers.{i}.self_attn.{t}_scale" for i in range(2) for t in "kv"}
     qkv = scales(include_q=True)
-    assert set(qkv) == set(kv) | {f"model.layers.{i}.self_attn.q_scale" for i in range(2)}
+    assert set(qkv) == set(kv) | {f"model.layers.{i}.self_attn.attn.q_scale" for i in range(2)}
     assert all(v > 0 for v in qkv.values())
     by_p = [scales(percentile=p) for p in (0.0, 25.0, 50.0, 90.0, 100.0)]
     for key in kv:
