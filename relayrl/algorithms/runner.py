@@ -16,9 +16,10 @@ from typing import Protocol
 from relayrl.algorithms.protocols import BatchLoader, Checkpointable, Checkpointer, Generation, TrainLogger
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, GRPOSaveState, save_state_file
+from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, GRPOSaveState
 from relayrl.utils.seeding import capture_rng_state
 from relayrl.utils.signals import GracefulStop, TrainingInterrupted
+from relayrl.utils.state_file import save_state_file
 from relayrl.utils.timer import TimeoutChecker, Timer
 
 __all__ = ["LoopParts", "StepOutput", "TrainerSteps", "early_stop_reached", "run_loop", "save_checkpoint"]

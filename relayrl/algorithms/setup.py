@@ -25,19 +25,13 @@ from relayrl.algorithms.protocols import BatchLoader, Generation, Tokenizer
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
-from relayrl.utils.checkpoint import (
-    DATALOADER_STATE,
-    RNG_STATE,
-    CheckpointManager,
-    GRPOSaveState,
-    load_save_state,
-    load_state_file,
-)
+from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, CheckpointManager, GRPOSaveState, load_save_state
 from relayrl.utils.config_io import dump_config
 from relayrl.utils.dir_lock import DirectoryInUseError, DirLock, lock_run_directories
 from relayrl.utils.logger import Logger
 from relayrl.utils.paths import resolve_tokenizer_path
 from relayrl.utils.seeding import enable_determinism, restore_rng_state, set_seed
+from relayrl.utils.state_file import load_state_file
 
 
 class SetupError(Exception):

@@ -41,7 +41,7 @@ from relayrl.models.optim import (
     train_global_batches,
 )
 from relayrl.utils import device as dev
-from relayrl.utils.checkpoint import assert_finite_state
+from relayrl.utils.state_file import assert_finite_state
 
 #: transformers' loading patches process-wide state (meta-device init), so in-process workers load one at a time.
 LOAD_LOCK = threading.Lock()

@@ -9,7 +9,7 @@ from torch import nn
 
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.models.optim import all_reduce_clip_and_step
-from relayrl.utils.checkpoint import NonFiniteStateError, assert_finite_state
+from relayrl.utils.state_file import NonFiniteStateError, assert_finite_state
 
 
 def _model_and_adam() -> tuple[nn.Linear, torch.optim.Optimizer]:

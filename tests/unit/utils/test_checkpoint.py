@@ -26,14 +26,11 @@ from relayrl.utils.checkpoint import (
     CheckpointError,
     CheckpointManager,
     GRPOSaveState,
-    NonFiniteStateError,
-    assert_finite_state,
     load_save_state,
-    load_state_file,
-    save_state_file,
     verify_checkpoint,
 )
 from relayrl.utils.seeding import capture_rng_state, restore_rng_state
+from relayrl.utils.state_file import NonFiniteStateError, assert_finite_state, load_state_file, save_state_file
 
 
 def _manager(tmp_path: Path, **cfg: Any) -> CheckpointManager:
@@ -617,7 +614,7 @@ def test_a_state_file_whose_header_length_starts_with_0x80_is_read(tmp_path):
     file starts like a pickle and must still load (a Ray run's RNG state hit this)."""
     import torch
 
-    from relayrl.utils.checkpoint import load_state_file, save_state_file
+    from relayrl.utils.state_file import load_state_file, save_state_file
 
     for pad in range(300):  # vary the JSON tree until the header length's low byte is 0x80
         state = {"pad": "x" * pad, "t": torch.arange(3)}

@@ -1,0 +1,168 @@
+"""The run's surroundings: `data`, `env`, `logger`, `checkpointing`, `cluster`, `data_plane`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from relayrl.config.base import DURATION_PATTERN, NonNegFloat, NonNegInt, Strict
+
+
+# ---------------------------------------------------------------------------------------------------- data / env
+class ArithmeticConfig(Strict):
+    """The built-in task: `a+b` / `a-b` with operands in [min_operand, max_operand]."""
+
+    min_operand: NonNegInt = 10
+    max_operand: NonNegInt = 99
+    operations: list[Literal["+", "-"]] = ["+", "-"]
+    num_val_problems: PositiveInt = 200
+    """Held out by a fixed seed; the shipped model never saw them in its warm start."""
+
+
+class DatasetConfig(Strict):
+    source: Literal["arithmetic", "file"] = "arithmetic"
+    path: str | None = None
+    """JSONL or Parquet file (format from the extension) when source == 'file'."""
+    prompt_field: str = "prompt"
+    """Field holding the user prompt text (ignored when `messages_field` is present in a row)."""
+    messages_field: str = "messages"
+    answer_field: str = "answer"
+    task_field: str | None = "task"
+    default_task: str = "math"
+    split_validation_size: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Fraction carved off as validation when no validation dataset is given."""
+
+
+class DataConfig(Strict):
+    train: DatasetConfig = DatasetConfig()
+    validation: DatasetConfig | None = None
+    """None: the arithmetic task's held-out set, or a split of `train` (split_validation_size)."""
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    system_prompt: str | None = None
+    prompt_template: str | None = None
+    """Python format string with `{problem}`; None uses the problem text as is."""
+    max_input_seq_length: PositiveInt | None = None
+    """Prompt token limit; None means policy.max_total_sequence_length - generation.max_new_tokens."""
+    skip_overlong_prompts: bool = False
+    """Skip (and count) prompts over the limit instead of failing."""
+    shuffle: bool = True
+    num_workers: NonNegInt = 0
+
+
+class MathEnvConfig(Strict):
+    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
+    timeout_s: PositiveFloat = 5.0
+    """Per answer: a verification running longer is killed and scores 0 (counted as num_verify_timeouts)."""
+    batch_timeout_s: PositiveFloat = 60.0
+    """Per batch of answers sent to math-verify: once this much verification time is spent, the answers not yet
+    verified score 0, a warning line gives their count and num_verify_over_budget counts them."""
+
+
+class RewardModelEnvConfig(Strict):
+    """`env.reward_model`: where the classifier lives and how its scores become rewards."""
+
+    model_dir: str
+    """A local HF sequence-classification directory (num_labels=1) holding its tokenizer."""
+    normalize: bool = False
+    """Standardise each step's scores over the batch (mean 0, std 1) before returning them as rewards."""
+    device: str = "cpu"
+    micro_batch_size: PositiveInt = 32
+    render: Literal["chat_template", "concatenation"] = "chat_template"
+    """How a conversation becomes text: the chat template over role/content, or the contents joined as they are."""
+
+
+class EnvConfig(Strict):
+    math: MathEnvConfig = MathEnvConfig()
+    reward_model: RewardModelEnvConfig | None = None
+    """Set to enable the `reward_model` task (a learned reward instead of a verifier)."""
+
+
+# ---------------------------------------------------------------------------------------------------- infrastructure
+class WandbConfig(Strict):
+    project: str = "relayrl"
+    name: str | None = None
+
+
+class MlflowConfig(Strict):
+    experiment_name: str = "relayrl"
+    run_name: str | None = None
+    tracking_uri: str | None = None
+
+
+class LoggerConfig(Strict):
+    tensorboard_enabled: bool = True
+    wandb_enabled: bool = False
+    mlflow_enabled: bool = False
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    progress_bar: bool = True
+    num_train_samples_to_log: NonNegInt = 8
+    """Rows of prompts/completions/rewards written to samples.jsonl per step."""
+    num_val_samples_to_print: NonNegInt = 0
+
+
+class CheckpointingConfig(Strict):
+    enabled: bool = True
+    checkpoint_dir: str | None = None
+    """None means `<run_dir>/checkpoints`."""
+    metric_name: str | None = "val:accuracy"
+    higher_is_better: bool = True
+    keep_top_k: PositiveInt | None = 2
+    save_period: PositiveInt = 100
+    checkpoint_must_save_by: str | None = None
+    """Wall-clock budget DD:HH:MM:SS: save and stop before it runs out."""
+    save_optimizer: bool = True
+
+    @model_validator(mode="after")
+    def _metric_prefix(self) -> CheckpointingConfig:
+        if self.metric_name is not None and not self.metric_name.startswith(("val:", "train:")):
+            raise ValueError("checkpointing.metric_name must start with 'val:' or 'train:'")
+        budget = self.checkpoint_must_save_by
+        if budget is not None and not DURATION_PATTERN.fullmatch(budget):
+            raise ValueError(
+                f"checkpointing.checkpoint_must_save_by must be DD:HH:MM:SS (e.g. 00:04:00:00 for four hours), "
+                f"got {budget!r}"
+            )
+        return self
+
+
+class ClusterConfig(Strict):
+    executor: Literal["local", "ray"] = "local"
+    num_nodes: PositiveInt = 1
+    workers_per_node: PositiveInt = 1
+    cpus_per_worker: PositiveInt = 1
+    gpus_per_worker: NonNegFloat = 0.0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    torch_num_threads: PositiveInt | None = 1
+    """Intra-op threads per worker. 1 by default: small models gain little from more, and on a busy machine
+    spinning OpenMP threads make a step several times slower. None leaves torch's default (all cores)."""
+    ray_address: str | None = None
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
+    retain_freed_memory: bool = True
+    """Keep freed tensor buffers (up to 32 MiB each) mapped for reuse instead of returning them to the OS (glibc
+    mallopt; like running under jemalloc/tcmalloc): saves thousands of page faults per CPU training step."""
+    start_timeout_s: PositiveFloat = 600.0
+    """Ray executor: deadline for a worker group or the rollout actor to start (resources placed, processes up,
+    models loaded); past it the run stops with one line naming what did not start."""
+    call_timeout_s: PositiveFloat = 1800.0
+    """Ray executor: deadline for one call on the workers or the rollout actor (a generation batch, a training
+    step, a refit); a rank that is alive but stuck fails the run with one line naming the call, never hangs it.
+    A dead rank is reported within seconds regardless."""
+
+
+class DataPlaneConfig(Strict):
+    enabled: bool = True
+    """Rollout tensors live in a sample-keyed store (grpo_train_sync); false runs the legacy in-memory trainer.
+    Both log identical metrics (`relayrl parity`)."""
+    backend: Literal["memory", "ray", "transfer_queue"] = "memory"
+    """`memory` on the local executor; in a MasterConfig with cluster.executor=ray an unset backend means `ray`."""
+    storage_capacity: PositiveInt = 1_000_000
+    """Maximum samples held across partitions; exceeding it is an error, never silent growth."""
+    call_timeout_s: PositiveFloat = 120.0
+    """Deadline for every call to a remote store (ray, transfer_queue): a dead store fails, never hangs."""
+    init_timeout_s: PositiveFloat = 300.0
+    """Deadline for starting or attaching to a remote store."""
+    num_storage_units: PositiveInt = 2
+    """transfer_queue only: storage unit actors started at bootstrap."""
