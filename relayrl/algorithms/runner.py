@@ -91,10 +91,13 @@ def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
                     if out is None:
                         timer.stop("total_step_time")
                         continue
-                    done, last = tail.finish(step, out.metrics, out.samples, save_now=stop.requested is not None)
+                    done, last = tail.finish(
+                        step, out.metrics, out.samples, stop_requested=lambda: bool(stop.requested)
+                    )
                     last.update(out.extra)
-                    if stop.requested is not None:
-                        raise TrainingInterrupted(stop.requested, step, saved=cfg.checkpointing.enabled)
+                    if stop.requested is not None:  # also a signal that came after the tail's checkpoint decision
+                        saved = tail.saved_step == step or tail.save(step, {}, out.metrics)
+                        raise TrainingInterrupted(stop.requested, step, saved=saved)
                     if done:
                         return last
                 state.current_epoch += 1
@@ -160,6 +163,26 @@ class StepTail:
 
     def __init__(self, parts: LoopParts, timeout: TimeoutChecker, run_validation: Callable[[int], Metrics]) -> None:
         self.parts, self.timeout, self.run_validation = parts, timeout, run_validation
+        self.saved_step = -1  # the last step written to a checkpoint
+
+    def save(self, step: int, val_metrics: Metrics, metrics: Metrics) -> bool:
+        """Checkpoint the state after `step` (before the loader yields the next batch); False when disabled."""
+        p = self.parts
+        if not p.cfg.checkpointing.enabled:
+            return False
+        with p.timer.time("checkpointing"):
+            p.state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None
+            save_checkpoint(
+                checkpointer=p.checkpointer,
+                policy=p.checkpointed,
+                policy_generation=p.policy_generation,
+                dataloader=p.dataloader,
+                state=p.state,
+                cfg=p.cfg,
+                metrics_for_ranking={"val": val_metrics, "train": metrics},
+            )
+        self.saved_step = step
+        return True
 
     def is_last_step(self, step: int) -> bool:
         r, state = self.parts.cfg.rollout, self.parts.state
@@ -168,9 +191,14 @@ class StepTail:
         )
 
     def finish(
-        self, step: int, metrics: Metrics, samples: list[dict[str, object]], save_now: bool = False
+        self,
+        step: int,
+        metrics: Metrics,
+        samples: list[dict[str, object]],
+        stop_requested: Callable[[], bool] = lambda: False,
     ) -> tuple[bool, dict[str, object]]:
-        """Validate if due, update counters, checkpoint if due (or `save_now`), log. Returns (stop, last metrics)."""
+        """Validate if due, update counters, checkpoint if due (or a stop was requested), log. Returns (stop, last
+        metrics)."""
         p = self.parts
         cfg, state, timer, r = p.cfg, p.state, p.timer, p.cfg.rollout
         is_last = self.is_last_step(step)
@@ -183,20 +211,8 @@ class StepTail:
         state.total_steps = step
         self.timeout.mark_iteration()
         out_of_time = self.timeout.check_save()
-        if cfg.checkpointing.enabled and (
-            is_last or stop_early or out_of_time or save_now or step % cfg.checkpointing.save_period == 0
-        ):
-            with timer.time("checkpointing"):
-                state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None
-                save_checkpoint(
-                    checkpointer=p.checkpointer,
-                    policy=p.checkpointed,
-                    policy_generation=p.policy_generation,
-                    dataloader=p.dataloader,
-                    state=state,
-                    cfg=cfg,
-                    metrics_for_ranking={"val": val_metrics or {}, "train": metrics},
-                )
+        if is_last or stop_early or out_of_time or stop_requested() or step % cfg.checkpointing.save_period == 0:
+            self.save(step, val_metrics or {}, metrics)
         timer.stop("total_step_time")
         timing = timer.get_timing_metrics("sum")
         step_time = max(float(timing["total_step_time"]), 1e-9)  # type: ignore[arg-type]  # "sum" gives floats

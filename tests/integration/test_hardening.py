@@ -179,3 +179,40 @@ def test_resume_with_overrides_keeps_the_run_config_and_refuses_inexact_changes(
     )
     assert "relayrl: resuming with grpo.seed: 7 -> 8" in capsys.readouterr().err
     assert load_config(run_dir / "config.yaml").grpo.seed == 8
+
+
+class InterruptDuringValidation(EnvironmentInterface):
+    """The math verifier, which also sends this process SIGINT while it scores the step-2 validation batch (the
+    moment a signal used to arrive after the step tail had decided not to checkpoint)."""
+
+    def __init__(self, cfg: EnvConfig) -> None:
+        self.inner, self.train_calls = create_env("math", cfg), 0
+
+    def step(self, message_log_batch: list, metadata: list[dict[str, Any] | None]) -> EnvironmentReturn:
+        if len(message_log_batch) == ROWS:
+            self.train_calls += 1
+        elif self.train_calls == 2:  # the validation after step 2, inside the step tail
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.inner.step(message_log_batch, metadata)
+
+
+def test_a_signal_during_the_step_tail_still_checkpoints_that_step(tmp_path, tiny_model_dir):
+    from relayrl.utils.signals import TrainingInterrupted
+
+    ENV_REGISTRY["interrupt_in_val"] = InterruptDuringValidation
+    try:
+        cfg = load_config(
+            None,
+            [
+                *_overrides(tiny_model_dir, 6),
+                "checkpointing.save_period=100",
+                "data.train.default_task=interrupt_in_val",
+                "data.validation.default_task=interrupt_in_val",
+            ],
+        )
+        with pytest.raises(TrainingInterrupted) as info:
+            run_training(cfg, tmp_path / "run")
+    finally:
+        del ENV_REGISTRY["interrupt_in_val"]
+    assert info.value.step == 2 and info.value.saved
+    assert (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
