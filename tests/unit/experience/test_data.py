@@ -163,8 +163,7 @@ def test_bad_template_and_too_small_dataset(tmp_path: Path, char_tokenizer) -> N
     path = _jsonl(tmp_path / "d.jsonl", ROWS)
     with pytest.raises(ValueError, match="data.prompt_template is not a format string"):
         build_datasets(_file_cfg(path, prompt_template="Put it in \\boxed{} {problem}"), char_tokenizer)
-    cfg = _cfg({"train": {"source": "file", "path": str(path)}}, num_prompts_per_step=8, num_generations_per_prompt=1)
-    cfg.policy.train_global_batch_size = cfg.policy.train_micro_batch_size = 8
+    cfg = _cfg({"train": {"source": "file", "path": str(path)}}, num_prompts_per_step=8)
     with pytest.raises(ValueError, match="training set has 4 prompts, fewer than one batch of 8"):
         build_dataloaders(cfg, char_tokenizer)
     with pytest.raises(ValueError, match="dataset is empty"):
