@@ -42,9 +42,8 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     num_cpus is the module's `RAY_NUM_CPUS` (default 4: on 2 cores TransferQueue's actors wait forever with fewer);
     no dashboard, worker logs kept out of the test output, no token file written to the home directory."""
     ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        yield
-        return
+    if ray.is_initialized():  # left running by an earlier module: its size and leftovers are not this module's
+        ray.shutdown()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False, log_to_driver=False)
     try:

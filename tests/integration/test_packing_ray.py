@@ -24,6 +24,13 @@ from tests.unit.models import packing_runs as runs
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
+RAY_NUM_CPUS = 4  # the shared `ray_cluster` fixture (tests/conftest.py) reads it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray(ray_cluster: None) -> None:
+    """This module's Ray, shut down at its end (a Ray left running would be reused, too small, by later modules)."""
+
 
 DP_CFG = DataPlaneConfig(enabled=True, backend="ray", storage_capacity=10_000)
 RAY = dict(executor="ray", workers_per_node=2, torch_num_threads=1, device="cpu")
