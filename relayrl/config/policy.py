@@ -147,7 +147,16 @@ def _check_batching(
                 )
 
 
-class PolicyConfig(Strict):
+class BatchingModes(Strict):
+    """The two ways the policy and the value model may cut their passes into micro-batches (at most one on)."""
+
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    """Bin whole sequences into packed micro-batches (exclusive with dynamic_batching)."""
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
+
+
+class PolicyConfig(BatchingModes):
     model_name: str = BUILTIN_TINY_MODEL
     """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -172,10 +181,6 @@ class PolicyConfig(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     generation: GenerationConfig = GenerationConfig()
     data_parallel: DataParallelConfig = DataParallelConfig()
-    sequence_packing: SequencePackingConfig = SequencePackingConfig()
-    """Bin whole sequences into packed micro-batches (exclusive with dynamic_batching)."""
-    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
-    """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> PolicyConfig:
@@ -206,7 +211,7 @@ class ClippedPGLossConfig(Strict):
     positive_example_nll_weight: NonNegFloat = 0.0
 
 
-class ValueConfig(Strict):
+class ValueConfig(BatchingModes):
     """The critic: the policy keys that make sense for a value model (no generation, no reference)."""
 
     model_name: str = BUILTIN_TINY_MODEL
@@ -227,10 +232,6 @@ class ValueConfig(Strict):
     head_init_std: PositiveFloat | None = None
     """Std of a fresh head's weights; None means the backbone config's initializer_range (as transformers does)."""
     data_parallel: DataParallelConfig = DataParallelConfig()
-    sequence_packing: SequencePackingConfig = SequencePackingConfig()
-    """Bin whole sequences into packed micro-batches (exclusive with dynamic_batching)."""
-    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
-    """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ValueConfig:
