@@ -23,4 +23,4 @@ BUILTIN_TINY_MODEL = "builtin:tiny-arith"
 class Strict(BaseModel):
     """Base for every config block: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)

@@ -22,7 +22,11 @@ class GenerationResourcesConfig(Strict):
     """Dedicated generation workers (used when generation is not colocated, on the Ray executor)."""
 
     num_nodes: PositiveInt | None = None
+    """Nodes of dedicated generation workers; must be set (with workers_per_node) when colocated.enabled is false
+    on the Ray executor. None: unset (colocated generation)."""
     workers_per_node: PositiveInt | None = None
+    """Dedicated generation workers per node; the generation group has num_nodes x workers_per_node ranks.
+    None: unset (colocated generation)."""
 
 
 class ColocatedConfig(Strict):
@@ -30,19 +34,31 @@ class ColocatedConfig(Strict):
     """Generation shares devices (and, on the local executor, the very weights) with training. On Ray: one
     generation worker per policy rank, refit over ZMQ IPC; false: `resources` workers, refit over a collective."""
     resources: GenerationResourcesConfig = GenerationResourcesConfig()
+    """The dedicated generation workers used when `enabled` is false (ignored while colocated)."""
 
 
 class GenerationConfig(Strict):
     backend: Literal["hf"] = "hf"
     """Generation engine. `hf`: batched sampling with a KV cache through transformers, CPU or GPU."""
     max_new_tokens: PositiveInt = 16
+    """Most tokens sampled per generation call (one turn); also capped by what max_total_sequence_length leaves
+    after the prompt. Must be below policy.max_total_sequence_length."""
     temperature: PositiveFloat = 1.0
+    """Sampling temperature: logits are divided by it when sampling and in every training / log-prob / reference /
+    top-k pass, so training scores tokens under the distribution they were drawn from."""
     top_p: UnitFloat = 1.0
+    """Nucleus sampling: keep the most probable tokens whose mass reaches top_p (1.0: off). When below 1 the
+    policy's log-probs are computed under the same filter (the KL term uses unfiltered ones)."""
     top_k: PositiveInt | None = None
+    """Sample among the k most probable tokens only; None: no top-k filter. When set, the policy's log-probs are
+    computed under the same filter (the KL term uses unfiltered ones)."""
     stop_token_ids: list[int] | None = None
-    """None means [eos_token_id]."""
+    """Token ids that end a row's generation (the stop token is kept); None means [eos_token_id]."""
     stop_strings: list[str] | None = None
+    """Extra stop strings for every row: a row ends once its generated text contains one (merged with the per-row ones
+    an environment gives). None: none."""
     colocated: ColocatedConfig = ColocatedConfig()
+    """Whether generation shares the training workers (and how to place it when it does not)."""
     native_cpu_decode: bool = True
     """On CPU, run each decode step of a float32 llama-family model as one compiled call (built with the system C++
     compiler on first use, ~15 s, cached under ~/.cache/relayrl); falls back to PyTorch ops when it cannot be built."""
@@ -56,24 +72,35 @@ class GenerationConfig(Strict):
 
 class AdamWKwargs(Strict):
     lr: PositiveFloat = 3e-5
+    """Peak learning rate; the scheduler multiplies it per step (warm-up, cosine decay)."""
     weight_decay: NonNegFloat = 0.0
+    """AdamW decoupled weight decay, applied to every trainable parameter (0: none)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW decay rates of the first and second moment estimates."""
     eps: PositiveFloat = 1e-8
+    """AdamW term added to the denominator for numerical stability."""
 
 
 class OptimizerConfig(Strict):
     name: Literal["torch.optim.AdamW", "AdamW"] = "torch.optim.AdamW"
+    """Optimizer class; both spellings mean torch.optim.AdamW, the only one supported."""
     kwargs: AdamWKwargs = AdamWKwargs()
+    """AdamW hyper-parameters. Restored from the checkpoint's optimizer state on resume (a change then has no effect)."""
 
 
 class SchedulerConfig(Strict):
     name: Literal["constant", "cosine"] = "constant"
     """LR after warm-up: constant, or cosine decay to `min_lr_ratio * lr` over `decay_steps`."""
     warmup_steps: NonNegInt = 0
+    """Scheduler steps of linear warm-up from warmup_start_factor x lr to lr (0: none); the cosine decay starts after."""
     warmup_start_factor: UnitFloat = 0.1
+    """LR multiplier at the first warm-up step (only used when warmup_steps > 0)."""
     decay_steps: PositiveInt | None = None
-    """Cosine horizon in scheduler steps (one per train() call); None means grpo.max_num_steps."""
+    """Cosine horizon in scheduler steps (one per train() call, after warm-up); None means the run's train() calls:
+    grpo.max_num_steps, or for PPO (max_num_steps - policy_training_start_step) x ppo_epochs for the policy and
+    max_num_steps x ppo_epochs for the critic."""
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Cosine only: the LR floor as a fraction of lr, reached after decay_steps and held from then on."""
 
 
 class DataParallelConfig(Strict):
@@ -160,27 +187,48 @@ class PolicyConfig(BatchingModes):
     model_name: str = BUILTIN_TINY_MODEL
     """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
     tokenizer: TokenizerConfig = TokenizerConfig()
+    """Where the tokenizer and chat template come from (shared by the policy, generation and the critic)."""
     random_init: bool = False
     """Build the architecture from `model_name`'s config.json with freshly initialised weights."""
     hf_config_overrides: dict[str, Any] = {}
+    """Attributes set on the model's Hugging Face config before the weights are built (e.g. {"rope_theta": ...});
+    a name the config does not have is an error. Empty: the config as saved."""
     train_global_batch_size: PositiveInt = 128
+    """Rows per optimizer step, summed over data-parallel ranks; a step's rows (prompts x generations) must be a
+    multiple of it, and it must split into whole micro-batches on every rank."""
     train_micro_batch_size: PositiveInt = 128
+    """Rows per forward/backward micro-batch (gradients accumulate up to the global batch) when neither sequence
+    packing nor dynamic batching is on; with them it only sizes their default token budgets."""
     logprob_batch_size: PositiveInt | None = None
     """Rows per logprob / reference / top-k micro-batch; None means train_micro_batch_size."""
     logprob_chunk_size: PositiveInt | None = None
     """Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB."""
     max_total_sequence_length: PositiveInt = 64
+    """Token limit of prompt plus everything generated (all turns): generation stops there, and the prompt limit
+    defaults to it minus generation.max_new_tokens. Also sizes the default packing / dynamic-batching budgets."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the forward passes (autocast; master weights and optimizer state stay float32); weights
+    refit into the generation engine are cast to it."""
     max_grad_norm: PositiveFloat | None = 1.0
+    """Clip the global L2 gradient norm (over all ranks) to this before each optimizer step; None: no clipping (the
+    norm is still logged, and a non-finite one skips the step)."""
     activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in the backward pass instead of storing them (less memory, more
+    compute); ignored for models that do not support gradient checkpointing."""
     native_cpu_ops: bool = True
     """On CPU, the policy and reference passes of a float32 llama-family model run RMSNorm and RoPE (forward and
     backward) as relayrl's compiled kernels, the library `generation.native_cpu_decode` builds; else PyTorch ops."""
     make_sequence_length_divisible_by: PositiveInt = 1
+    """Pad the width of every flattened rollout batch up to a multiple of this (1: pad to the longest row only)."""
     optimizer: OptimizerConfig = OptimizerConfig()
+    """The optimizer (AdamW) and its hyper-parameters."""
     scheduler: SchedulerConfig = SchedulerConfig()
+    """The learning-rate schedule, stepped once per train() call. A GRPO run that sets none gets cosine decay to
+    10% (see GRPO_LR_SCHEDULE); restored from the checkpoint on resume."""
     generation: GenerationConfig = GenerationConfig()
+    """How rollouts are sampled from the policy (engine, sampling, stop conditions, placement)."""
     data_parallel: DataParallelConfig = DataParallelConfig()
+    """How data-parallel ranks combine gradients."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> PolicyConfig:
@@ -190,25 +238,62 @@ class PolicyConfig(BatchingModes):
 
 # ---------------------------------------------------------------------------------------------------- loss
 class ClippedPGLossConfig(Strict):
+    """The policy loss: a clipped importance-ratio surrogate (PPO / GRPO and its DAPO, GSPO, CISPO, REINFORCE
+    variants), optional truncated importance sampling, a reference-KL penalty and a positive-example NLL term."""
+
     reference_policy_kl_penalty: NonNegFloat = 0.02
+    """KL coefficient beta of the penalty toward the initial (reference) policy; 0 builds no reference model and
+    skips its log-prob pass. With use_kl_in_reward the KL goes into the reward instead of the loss."""
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator from sampled-token log-probs (Schulman's k1 / k2 / k3); also used by the
+    generation-versus-training KL diagnostics."""
     kl_input_clamp_value: PositiveFloat | None = 20.0
+    """Clamp the log-ratio log(pi_ref / pi) to +-this before the KL estimator (keeps k3's exp finite); None: off."""
     kl_output_clamp_value: PositiveFloat | None = 10.0
+    """Clamp each weighted per-token KL value to +-this (clamped positions get no gradient); None: off."""
     ratio_clip_min: NonNegFloat = 0.2
+    """epsilon_low: the importance ratio is clipped from below at 1 - ratio_clip_min."""
     ratio_clip_max: NonNegFloat = 0.2
+    """epsilon_high: the ratio is clipped from above at 1 + ratio_clip_max (above ratio_clip_min: DAPO's
+    clip-higher)."""
     ratio_clip_c: Annotated[float, Field(gt=1)] | None = None
+    """Dual clip: for negative advantages the per-token loss is capped at -advantage x c (c > 1); None: off.
+    Not allowed with use_cispo."""
     use_on_policy_kl_approximation: bool = False
+    """Weight the per-token KL by pi_current / pi_generation (an estimate of the KL under the current policy when
+    the samples came from another one); false: weight 1."""
     use_importance_sampling_correction: bool = False
+    """Multiply the actor loss by pi_prev / pi_generation per token (per sequence with
+    sequence_level_importance_ratios), correcting for a generation engine that differs from the trainer."""
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """How the importance weights are truncated: `tis` clamps them into [ratio_min, ratio]; `icepop` zeroes tokens
+    outside it; `seq-mask-tis` drops whole sequences whose geometric-mean ratio is outside it. Requires
+    use_importance_sampling_correction; None: no truncation."""
     truncated_importance_sampling_ratio: PositiveFloat | None = None
+    """Upper bound of the truncation; required when truncated_importance_sampling_type is set, else must be None."""
     truncated_importance_sampling_ratio_min: NonNegFloat | None = None
+    """Lower bound of the truncation (<= the upper one); required for icepop and seq-mask-tis; None means 0 for
+    tis."""
     sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per sequence, exp of the mean token log-ratio, clipped like a token ratio. Requires
+    token_level_loss=false; not allowed with use_cispo or seq-mask-tis."""
     token_level_loss: bool = True
+    """True: average the loss over every valid token of the global batch. False: average each sequence over its
+    tokens, then over valid sequences."""
     force_on_policy_ratio: bool = False
+    """Treat the ratio as exactly 1 (exp(logp - logp.detach())): no clipping, and the old-policy log-prob pass is
+    skipped unless seq_logprob_error_threshold needs it. Turned on by grpo.skip_prev_logprobs_when_on_policy."""
     use_kl_in_reward: bool = False
+    """Subtract beta x per-token KL from the reward instead of adding it to the loss (the loss's KL term is then 0).
+    Read by the reinforce_plus_plus, gae and raw_reward estimators; with the grpo estimator no KL is applied."""
     use_cispo: bool = False
+    """CISPO: -advantage x detached clipped ratio x log-prob, so clipped tokens still get a gradient. Needs
+    token_level_loss and excludes disable_ppo_ratio, force_on_policy_ratio, sequence-level ratios and ratio_clip_c."""
     disable_ppo_ratio: bool = False
+    """REINFORCE surrogate -advantage x log-prob: no importance ratio and no clipping."""
     positive_example_nll_weight: NonNegFloat = 0.0
+    """VAPO: weight of an NLL term over the tokens of rows with reward > 0 (averaged over this micro-batch's such
+    tokens). Only the legacy PPO trainer (data_plane.enabled=false) hands the loss rewards; elsewhere no effect."""
 
 
 class ValueConfig(BatchingModes):
@@ -217,21 +302,34 @@ class ValueConfig(BatchingModes):
     model_name: str = BUILTIN_TINY_MODEL
     """A local HF causal-LM directory, a sequence-classification (reward model) directory, or a saved critic."""
     tokenizer: TokenizerConfig = TokenizerConfig()
+    """Not read: the critic scores the policy's token ids with the policy's tokenizer (policy.tokenizer)."""
     random_init: bool = False
+    """Fresh backbone weights from `model_name`'s config.json (the head is always fresh unless the source has one)."""
     hf_config_overrides: dict[str, Any] = {}
+    """Attributes set on the backbone's Hugging Face config before it is built; unknown names are errors."""
     train_global_batch_size: PositiveInt = 128
+    """Rows per critic optimizer step; a step's rows must be a multiple of it (checked in PPO runs)."""
     train_micro_batch_size: PositiveInt = 128
+    """Rows per critic forward/backward micro-batch without packing / dynamic batching (else sizes their budgets)."""
     logprob_batch_size: PositiveInt | None = None
     """Rows per get_values micro-batch; None means train_micro_batch_size."""
     max_total_sequence_length: PositiveInt = 64
+    """Longest sequence the critic is sized for: the default packing / dynamic-batching budgets and their fit
+    check use it (sequence lengths themselves follow policy.max_total_sequence_length)."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the critic's forward passes (autocast; master weights stay float32)."""
     max_grad_norm: PositiveFloat | None = 1.0
+    """Clip the critic's global gradient L2 norm to this before each step; None: no clipping."""
     activation_checkpointing: bool = False
+    """Recompute backbone activations in the backward pass (less memory, more compute)."""
     optimizer: OptimizerConfig = OptimizerConfig(kwargs=AdamWKwargs(lr=1e-4))
+    """The critic's AdamW (default lr 1e-4, above the policy's)."""
     scheduler: SchedulerConfig = SchedulerConfig()
+    """The critic's LR schedule, one scheduler step per train() call (constant by default)."""
     head_init_std: PositiveFloat | None = None
     """Std of a fresh head's weights; None means the backbone config's initializer_range (as transformers does)."""
     data_parallel: DataParallelConfig = DataParallelConfig()
+    """How the critic's data-parallel ranks combine gradients."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ValueConfig:
@@ -240,6 +338,9 @@ class ValueConfig(BatchingModes):
 
 
 class MseValueLossConfig(Strict):
+    """The critic loss: half the squared error between predicted values and returns over valid tokens."""
+
     scale: PositiveFloat = 1.0
+    """Multiplier of the value loss (the critic has its own optimizer, so it acts like a learning-rate factor)."""
     value_clip: PositiveFloat | None = None
     """Clip new values to old ± value_clip (PPO's clipped value loss); None disables it."""
