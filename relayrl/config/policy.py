@@ -85,14 +85,14 @@ class OptimizerConfig(Strict):
     name: Literal["torch.optim.AdamW", "AdamW"] = "torch.optim.AdamW"
     """Optimizer class; both spellings mean torch.optim.AdamW, the only one supported."""
     kwargs: AdamWKwargs = AdamWKwargs()
-    """AdamW hyper-parameters. Restored from the checkpoint's optimizer state on resume (a change then has no effect)."""
+    """AdamW hyper-parameters; on resume the checkpoint's optimizer state restores them (a change has no effect)."""
 
 
 class SchedulerConfig(Strict):
     name: Literal["constant", "cosine"] = "constant"
     """LR after warm-up: constant, or cosine decay to `min_lr_ratio * lr` over `decay_steps`."""
     warmup_steps: NonNegInt = 0
-    """Scheduler steps of linear warm-up from warmup_start_factor x lr to lr (0: none); the cosine decay starts after."""
+    """Scheduler steps of linear warm-up from warmup_start_factor x lr up to lr (0: none); cosine decay follows."""
     warmup_start_factor: UnitFloat = 0.1
     """LR multiplier at the first warm-up step (only used when warmup_steps > 0)."""
     decay_steps: PositiveInt | None = None

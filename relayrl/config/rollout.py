@@ -12,28 +12,53 @@ from relayrl.config.base import NonNegFloat, NonNegInt, Strict
 
 # ---------------------------------------------------------------------------------------------------- grpo
 class RewardScalingConfig(Strict):
+    """Linear reward rescaling, applied right after the rollout and before shaping."""
+
     enabled: bool = False
+    """Clamp every reward into [source_min, source_max] (warning when any was outside) and map it linearly onto
+    [target_min, target_max]."""
     source_min: float = 0.0
+    """Lower end of the expected reward range (maps to target_min); must be below source_max."""
     source_max: float = 1.0
+    """Upper end of the expected reward range (maps to target_max)."""
     target_min: float = 0.0
+    """What a reward of source_min becomes."""
     target_max: float = 1.0
+    """What a reward of source_max becomes."""
 
 
 class RewardShapingConfig(Strict):
+    """Length-based reward shaping after scaling: DAPO's soft overlong penalty, or a factor on truncated responses."""
+
     enabled: bool = False
+    """Shape rewards: with stop_properly_penalty_coef set, scale truncated rows; otherwise the DAPO overlong
+    penalty, which needs the three overlong keys. Dynamic sampling still judges groups on the unshaped rewards."""
     overlong_buffer_length: PositiveInt | None = None
+    """DAPO: tokens before max_response_length where the penalty starts; the reward drops by
+    (length - (max_response_length - buffer)) / buffer x overlong_buffer_penalty, not floored."""
     overlong_buffer_penalty: NonNegFloat | None = None
+    """DAPO: penalty reached at exactly max_response_length (it keeps growing beyond it)."""
     max_response_length: PositiveInt | None = None
+    """DAPO: the response length, in tokens of the first assistant message, at which the full penalty applies."""
     stop_properly_penalty_coef: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Multiply the reward of truncated rows (length limit hit) by this; when set the DAPO keys are ignored (with a
+    warning). None: DAPO shaping."""
 
 
 class AdvEstimatorConfig(Strict):
+    """GRPO's advantage estimator: one scalar per row, broadcast over its tokens."""
+
     name: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    """`grpo`: reward minus the group baseline, optionally over the group std. `reinforce_plus_plus`: reward minus
+    the group mean (see minus_baseline), optionally minus beta x KL (loss_fn.use_kl_in_reward), whitened over the
+    batch's valid tokens."""
     normalize_rewards: bool | None = None
-    """None means grpo.normalize_rewards."""
+    """grpo estimator: divide by the group's reward std (+1e-6) where it is > 0. None means grpo.normalize_rewards."""
     use_leave_one_out_baseline: bool | None = None
-    """None means grpo.use_leave_one_out_baseline."""
+    """grpo estimator: each row's baseline (and std) from the other rows of its group. None means
+    grpo.use_leave_one_out_baseline."""
     minus_baseline: bool = True
+    """reinforce_plus_plus only: subtract the group mean reward before whitening; false whitens the raw rewards."""
 
 
 class RolloutConfig(Strict):
@@ -44,27 +69,54 @@ class RolloutConfig(Strict):
     """
 
     num_prompts_per_step: PositiveInt = 16
+    """Prompts per training step (the train loader's batch; times batch_multiplier under GRPO dynamic sampling)."""
     num_generations_per_prompt: PositiveInt = 8
+    """Rollouts sampled per prompt (the group size); rows per step = num_prompts_per_step x this. GRPO needs >= 2."""
     max_rollout_turns: PositiveInt = 1
+    """Most generate-then-environment turns per rollout (1: single turn); a row also ends when its environment
+    says so or the context limit is hit. Rewards of all turns are summed."""
     max_num_epochs: PositiveInt = 1000
+    """Passes over the training prompts; the run ends at whichever of this and max_num_steps comes first."""
     max_num_steps: PositiveInt = 1000
+    """Training steps of the run (counted across resumes); also the default LR-decay horizon."""
     val_period: NonNegInt = 50
+    """Validate after every step divisible by this (0: no periodic validation)."""
     val_start_at: int = -1
+    """Periodic validation only from this step on (-1: from the first)."""
     val_at_start: bool = True
+    """Validate before the first step when the run starts at step 0 (not on resume)."""
     val_at_end: bool = True
+    """Validate after the last step even when it is not a val_period multiple."""
     val_greedy: bool = True
     """Validate with greedy decoding (deterministic accuracy); False samples like training."""
     max_val_samples: PositiveInt = 200
+    """Validation prompts per validation (the first ones of the validation set); a multiple of val_batch_size when
+    larger than it."""
     val_batch_size: PositiveInt = 200
+    """Validation prompts rolled out together in one batch."""
     val_num_generations_per_prompt: PositiveInt = 1
+    """Rollouts per validation prompt; above 1 validation also reports pass_k (any of them rewarded)."""
     stop_at_validation_metric: str | None = None
+    """End the run after a validation where this metric (accuracy, avg_length, num_samples or pass_k) reached
+    stop_at_validation_threshold. None: no early stop."""
     stop_at_validation_threshold: float | None = None
+    """Early-stop when stop_at_validation_metric >= this; required when the metric is set."""
     seed: int = 42
+    """Seeds Python, NumPy and torch, the train loader's shuffle, the sampling generator and the
+    data.train.split_validation_size split."""
     overlong_filtering: bool = False
+    """Truncated rollouts (length limit hit) get sample mask 0: no loss or gradient from them, though in GRPO they
+    still count in their group's baseline and std."""
     reward_scaling: RewardScalingConfig = RewardScalingConfig()
+    """Linear rescaling of the rewards (off by default)."""
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    """Length-based reward shaping (off by default)."""
     seq_logprob_error_threshold: PositiveFloat | None = None
+    """Drop (sample mask 0) sequences whose mean exp(|generation logprob - training logprob|) over trained tokens
+    exceeds this. None: the error is only logged. Forces the old-policy log-prob pass."""
     skip_reference_policy_logprobs_calculation: bool = False
+    """Skip the reference-policy log-prob pass. Requires loss_fn.reference_policy_kl_penalty == 0, where that
+    pass is already skipped, so it only states the intent."""
     non_finite: Literal["stop", "skip"] = "stop"
     """A NaN or infinite reward or advantage: `stop` ends the run before that step changes any weight, naming the
     step and samples; `skip` drops the offending samples' groups from the step and counts them
@@ -82,14 +134,29 @@ class RolloutConfig(Strict):
 
 
 class GRPOConfig(RolloutConfig):
+    """GRPO: the shared rollout settings plus group-relative advantages, their clipping and dynamic sampling."""
+
     normalize_rewards: bool = True
+    """Divide each advantage by its group's reward std (+1e-6) where that std is > 0; the default for
+    adv_estimator.normalize_rewards."""
     use_leave_one_out_baseline: bool = False
+    """RLOO: baseline and std of each row from the other rows of its group. The default for
+    adv_estimator.use_leave_one_out_baseline; also sets the std dynamic sampling filters on and the logged baseline."""
     advantage_clip_low: float | None = None
+    """Clamp advantages from below at this after normalisation (None: no lower clip); <= advantage_clip_high."""
     advantage_clip_high: float | None = None
+    """Clamp advantages from above at this after normalisation (None: no upper clip)."""
     use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop rows whose group reward std is 0 (no learning signal) and generate more batches
+    until num_prompts_per_step x num_generations_per_prompt rows remain; the surplus is discarded."""
     dynamic_sampling_max_gen_batches: NonNegInt = 10
+    """Dynamic sampling: the step fails when it is still short of rows after more than this many generation
+    batches."""
     batch_multiplier: PositiveInt = 1
+    """Dynamic sampling: each generation batch draws num_prompts_per_step x this prompts, to refill faster after
+    filtering. Must be 1 without use_dynamic_sampling."""
     adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
+    """Which advantage estimator GRPO uses and its options."""
     skip_prev_logprobs_when_on_policy: bool = True
     """When a step is exactly one optimizer step on fresh rollouts, the old-policy logprobs equal the training
     forward's detached logprobs: skip the separate pass and use ratio = exp(logp - logp.detach()) (what TRL does).
@@ -133,10 +200,17 @@ class RewardPenaltiesConfig(Strict):
 
 
 class PPOAdvEstimatorConfig(Strict):
+    """PPO's advantage estimator. The scalar reward lands on each row's last trained token."""
+
     name: Literal["gae", "raw_reward"] = "gae"
+    """`gae`: generalized advantage estimation over the critic's values. `raw_reward`: the reward itself as every
+    token's advantage, with discounted Monte-Carlo returns (lambda 1) as the critic's targets."""
     gae_lambda: Annotated[float, Field(ge=0, le=1)] = 0.95
+    """GAE lambda: 0 is one-step TD, 1 the Monte-Carlo return minus the value."""
     gae_gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """Discount per token (also raw_reward's return discount); 1: no discounting."""
     normalize_advantages: bool = True
+    """Whiten advantages (mean 0, std 1) over all valid tokens of the batch."""
     gae_lambda_value: Annotated[float, Field(ge=0, le=1)] | None = None
     """Decoupled lambda for the critic's returns (VAPO); None means gae_lambda."""
     gae_lambda_policy: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -146,9 +220,13 @@ class PPOAdvEstimatorConfig(Strict):
 
 
 class PPOConfig(RolloutConfig):
+    """PPO: the shared rollout settings plus the actor-critic update schedule and GAE."""
+
     max_num_steps: PositiveInt = 200
+    """Training steps of the run (PPO's own default); with ppo_epochs it sets the LR-decay horizons."""
     ppo_epochs: PositiveInt = 1
     """Policy and value updates per rollout batch (all reuse the same advantages and old logprobs)."""
     policy_training_start_step: NonNegInt = 0
     """Critic warm-up: train only the value model until this many steps have run."""
     adv_estimator: PPOAdvEstimatorConfig = PPOAdvEstimatorConfig()
+    """How advantages and the critic's return targets are computed."""
