@@ -111,18 +111,32 @@ class MasterConfig(Strict):
     algorithm: Literal["grpo", "ppo"] = "grpo"
     """Which trainer `relayrl train` runs: GRPO (the `grpo` block) or actor-critic PPO (`ppo`, `value`)."""
     policy: PolicyConfig = PolicyConfig()
+    """The trained model: weights, tokenizer, batch sizes, optimizer, schedule, generation and micro-batching."""
     loss_fn: ClippedPGLossConfig = ClippedPGLossConfig()
+    """The policy loss (both algorithms): ratio clipping, importance sampling, reference KL."""
     grpo: GRPOConfig = GRPOConfig()
+    """Rollout, validation and advantage settings of a GRPO run (ignored when algorithm is ppo)."""
     data: DataConfig = DataConfig()
+    """Training and validation prompts and how they become chat prompts."""
     env: EnvConfig = EnvConfig()
+    """The environments that score rollouts, chosen per row by its task name."""
     logger: LoggerConfig = LoggerConfig()
+    """Metric sinks, console output and logged samples."""
     checkpointing: CheckpointingConfig = CheckpointingConfig()
+    """When and where checkpoints are saved, which are kept, and the wall-clock budget."""
     cluster: ClusterConfig = ClusterConfig()
+    """Executor, worker count and placement, device and per-worker runtime settings."""
     reward_penalties: RewardPenaltiesConfig = RewardPenaltiesConfig()
+    """Message-level advantage overrides for flagged assistant messages: applied by the legacy GRPO trainer, refused
+    by the data-plane one (data_plane.enabled), not read by PPO."""
     data_plane: DataPlaneConfig = DataPlaneConfig()
+    """The sample-keyed store rollout tensors move through (off: the legacy in-memory trainers)."""
     ppo: PPOConfig = PPOConfig()
+    """Rollout, validation, update schedule and GAE settings of a PPO run (ignored when algorithm is grpo)."""
     value: ValueConfig = ValueConfig()
+    """PPO's critic model (unused by GRPO)."""
     value_loss_fn: MseValueLossConfig = MseValueLossConfig()
+    """PPO's critic loss (unused by GRPO)."""
 
     @model_validator(mode="before")
     @classmethod

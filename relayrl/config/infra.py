@@ -14,32 +14,48 @@ class ArithmeticConfig(Strict):
     """The built-in task: `a+b` / `a-b` with operands in [min_operand, max_operand]."""
 
     min_operand: NonNegInt = 10
+    """Smallest operand (inclusive); must not exceed max_operand."""
     max_operand: NonNegInt = 99
+    """Largest operand (inclusive); every pair of operands in range is a problem."""
     operations: list[Literal["+", "-"]] = ["+", "-"]
+    """Operations to generate problems for (non-empty, no duplicates)."""
     num_val_problems: PositiveInt = 200
     """Held out by a fixed seed; the shipped model never saw them in its warm start."""
 
 
 class DatasetConfig(Strict):
+    """One prompt dataset: the built-in arithmetic task or a local file of rows."""
+
     source: Literal["arithmetic", "file"] = "arithmetic"
+    """`arithmetic`: the built-in task (data.arithmetic; its held-out problems when used as validation). `file`:
+    rows read from `path`."""
     path: str | None = None
     """JSONL or Parquet file (format from the extension) when source == 'file'."""
     prompt_field: str = "prompt"
     """Field holding the user prompt text (ignored when `messages_field` is present in a row)."""
     messages_field: str = "messages"
+    """Field holding a prompt conversation: a non-empty list of {role, content} strings, used as is (no
+    prompt_template); wins over prompt_field when a row has it."""
     answer_field: str = "answer"
+    """Field holding the ground truth the environment scores against (required in every row)."""
     task_field: str | None = "task"
+    """Field naming a row's task (the environment that scores it, e.g. `math`, `reward_model`); None, or a row
+    without it, means default_task."""
     default_task: str = "math"
+    """Task of rows that name none (every row of the arithmetic source)."""
     split_validation_size: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    """Fraction carved off as validation when no validation dataset is given."""
+    """File source: fraction of the rows carved off (seeded shuffle) as validation when data.validation is None."""
 
 
 class DataConfig(Strict):
     train: DatasetConfig = DatasetConfig()
+    """The training prompts."""
     validation: DatasetConfig | None = None
-    """None: the arithmetic task's held-out set, or a split of `train` (split_validation_size)."""
+    """None: the arithmetic task's held-out set, or a split of `train` (split_validation_size), else no validation."""
     arithmetic: ArithmeticConfig = ArithmeticConfig()
+    """The built-in arithmetic task, used by any dataset whose source is `arithmetic`."""
     system_prompt: str | None = None
+    """System message put first in every prompt that does not already start with one; None: no system message."""
     prompt_template: str | None = None
     """Python format string with `{problem}`; None uses the problem text as is."""
     max_input_seq_length: PositiveInt | None = None
@@ -47,11 +63,16 @@ class DataConfig(Strict):
     skip_overlong_prompts: bool = False
     """Skip (and count) prompts over the limit instead of failing."""
     shuffle: bool = True
+    """Shuffle the training prompts each epoch (seeded by the rollout seed); false keeps file order."""
     num_workers: NonNegInt = 0
+    """DataLoader worker processes for the train and validation loaders (0: load in the main process)."""
 
 
 class MathEnvConfig(Strict):
+    """`env.math`: the verifier that scores `math` tasks 1 (answer matches the ground truth) or 0."""
+
     math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
+    """Answer checker; `hf_math_verify` (the math-verify package, run in a child process) is the only one."""
     timeout_s: PositiveFloat = 5.0
     """Per answer: a verification running longer is killed and scores 0 (counted as num_verify_timeouts)."""
     batch_timeout_s: PositiveFloat = 60.0
@@ -67,13 +88,16 @@ class RewardModelEnvConfig(Strict):
     normalize: bool = False
     """Standardise each step's scores over the batch (mean 0, std 1) before returning them as rewards."""
     device: str = "cpu"
+    """Where the classifier runs: `cpu`, `cuda` or `auto` (a GPU when one is visible)."""
     micro_batch_size: PositiveInt = 32
+    """Conversations scored per classifier forward pass."""
     render: Literal["chat_template", "concatenation"] = "chat_template"
     """How a conversation becomes text: the chat template over role/content, or the contents joined as they are."""
 
 
 class EnvConfig(Strict):
     math: MathEnvConfig = MathEnvConfig()
+    """Settings of the `math` task's verifier."""
     reward_model: RewardModelEnvConfig | None = None
     """Set to enable the `reward_model` task (a learned reward instead of a verifier)."""
 
@@ -81,38 +105,63 @@ class EnvConfig(Strict):
 # ---------------------------------------------------------------------------------------------------- infrastructure
 class WandbConfig(Strict):
     project: str = "relayrl"
+    """W&B project the run is logged to."""
     name: str | None = None
+    """W&B run name; None lets W&B pick one."""
 
 
 class MlflowConfig(Strict):
     experiment_name: str = "relayrl"
+    """MLflow experiment the run is logged under."""
     run_name: str | None = None
+    """MLflow run name; None lets MLflow pick one."""
     tracking_uri: str | None = None
+    """MLflow tracking server or store; None: a file store at `<run_dir>/mlflow`."""
 
 
 class LoggerConfig(Strict):
+    """Where metrics go besides `<run_dir>/metrics.jsonl`, which is always written."""
+
     tensorboard_enabled: bool = True
+    """Write TensorBoard event files under `<run_dir>/tensorboard`."""
     wandb_enabled: bool = False
+    """Also log to Weights & Biases (needs the wandb package; checked before the model loads)."""
     mlflow_enabled: bool = False
+    """Also log to MLflow (needs the mlflow package; checked before the model loads)."""
     wandb: WandbConfig = WandbConfig()
+    """W&B settings, read when wandb_enabled."""
     mlflow: MlflowConfig = MlflowConfig()
+    """MLflow settings, read when mlflow_enabled."""
     progress_bar: bool = True
+    """A live progress bar when the console is a terminal; false (or no terminal): one line per step."""
     num_train_samples_to_log: NonNegInt = 8
     """Rows of prompts/completions/rewards written to samples.jsonl per step."""
     num_val_samples_to_print: NonNegInt = 0
+    """Accepted for the reference's configs but not read: nothing is printed; every validation conversation goes
+    to `<run_dir>/val_data_step<N>.jsonl`."""
 
 
 class CheckpointingConfig(Strict):
     enabled: bool = True
+    """Save step_N checkpoints (every save_period steps, at the last step, on early stop, time-out or a stop
+    signal); false saves none, so the run cannot be resumed."""
     checkpoint_dir: str | None = None
     """None means `<run_dir>/checkpoints`."""
     metric_name: str | None = "val:accuracy"
+    """`val:<metric>` or `train:<metric>`, stored with each checkpoint to rank them for keep_top_k and the best
+    checkpoint; None ranks by recency."""
     higher_is_better: bool = True
+    """Ranking direction for metric_name (ties go to the more recent step)."""
     keep_top_k: PositiveInt | None = 2
+    """Periodic checkpoints kept: the k best by metric_name (or the k newest); the newest checkpoint is always kept.
+    None keeps every checkpoint."""
     save_period: PositiveInt = 100
+    """Save after every step divisible by this; these are the periodic checkpoints keep_top_k ranks."""
     checkpoint_must_save_by: str | None = None
     """Wall-clock budget DD:HH:MM:SS: save and stop before it runs out."""
     save_optimizer: bool = True
+    """Also save optimizer and LR-scheduler state (policy and PPO critic) so a resume continues exactly; false
+    saves weights only and a resume starts the optimizer fresh."""
 
     @model_validator(mode="after")
     def _metric_prefix(self) -> CheckpointingConfig:
@@ -129,15 +178,24 @@ class CheckpointingConfig(Strict):
 
 class ClusterConfig(Strict):
     executor: Literal["local", "ray"] = "local"
+    """`local`: every worker in this process (threads and an in-process collective when there are several).
+    `ray`: one Ray actor per worker in a placement group (needs the `ray` extra)."""
     num_nodes: PositiveInt = 1
+    """Nodes; data-parallel ranks = num_nodes x workers_per_node (for the policy and the critic alike)."""
     workers_per_node: PositiveInt = 1
+    """Workers (data-parallel ranks) per node."""
     cpus_per_worker: PositiveInt = 1
+    """Ray executor: CPUs reserved per worker (placement only; also sizes a local Ray that relayrl starts)."""
     gpus_per_worker: NonNegFloat = 0.0
+    """Ray executor: GPUs reserved per worker (fractions allowed); with GPUs, generation must not be colocated."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device of the workers: `auto` takes a GPU when torch sees one, else the CPU; `cuda` fails without
+    one."""
     torch_num_threads: PositiveInt | None = 1
     """Intra-op threads per worker. 1 by default: small models gain little from more, and on a busy machine
     spinning OpenMP threads make a step several times slower. None leaves torch's default (all cores)."""
     ray_address: str | None = None
+    """Ray executor: address of an existing Ray cluster to join; None starts a local Ray (unless one is running)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
     retain_freed_memory: bool = True
@@ -157,7 +215,8 @@ class DataPlaneConfig(Strict):
     """Rollout tensors live in a sample-keyed store (grpo_train_sync); false runs the legacy in-memory trainer.
     Both log identical metrics (`relayrl parity`)."""
     backend: Literal["memory", "ray", "transfer_queue"] = "memory"
-    """`memory` on the local executor; in a MasterConfig with cluster.executor=ray an unset backend means `ray`."""
+    """`memory`: an in-process store (local executor only). `ray`: the same store in a named Ray actor.
+    `transfer_queue`: the transferqueue package's storage units. Unset: `memory`, or `ray` on cluster.executor=ray."""
     storage_capacity: PositiveInt = 1_000_000
     """Maximum samples held across partitions; exceeding it is an error, never silent growth."""
     call_timeout_s: PositiveFloat = 120.0

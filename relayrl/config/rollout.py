@@ -174,7 +174,8 @@ class GRPOConfig(RolloutConfig):
 
 
 class RewardPenaltiesConfig(Strict):
-    """Message-level advantage penalties: an assistant message flagged by the environment gets this advantage."""
+    """Message-level advantage penalties: an assistant message flagged by the environment gets this advantage.
+    Only the legacy GRPO trainer (data_plane.enabled=false) applies them; the data-plane trainer refuses them."""
 
     invalid_tool_call_advantage: float | None = None
     """Advantage for messages flagged `is_invalid_tool_call`."""
@@ -216,7 +217,7 @@ class PPOAdvEstimatorConfig(Strict):
     gae_lambda_policy: Annotated[float, Field(ge=0, le=1)] | None = None
     """Decoupled lambda for the actor's advantages; None means gae_lambda."""
     length_adaptive_alpha: NonNegFloat | None = None
-    """Per-row policy lambda 1 - 1/(alpha * length) (VAPO); None disables it."""
+    """Per-row policy lambda 1 - 1/(alpha * length), length in trained tokens (VAPO); None or 0 disables it."""
 
 
 class PPOConfig(RolloutConfig):
