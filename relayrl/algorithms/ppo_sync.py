@@ -55,7 +55,7 @@ from relayrl.algorithms.trainer_common import (
 from relayrl.algorithms.validation import Envs, ValidationResult, sync_validator, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS
+from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS, REWARDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.ray_rollout import rollout_actor_cls
@@ -121,6 +121,8 @@ class PPOSyncSteps:
         )
         self.skip_ref = not cfg.reference_model_needed
         self.train_fields = [f for f in DP_TRAIN_FIELDS if not (self.skip_ref and f == REFERENCE_POLICY_LOGPROBS)]
+        if cfg.loss_fn.positive_example_nll_weight > 0:  # the loss's NLL term reads each row's reward, as legacy's does
+            self.train_fields.append(REWARDS)
         self.kl_fields = _kl_logprob_fields(cfg, self.skip_ref)
         self.carry_keys = rollout_carry_keys(
             _CARRY, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log

@@ -17,6 +17,8 @@ PREV_LOGPROBS = "prev_logprobs"
 REFERENCE_POLICY_LOGPROBS = "reference_policy_logprobs"
 ADVANTAGES = "advantages"
 TOTAL_REWARD = "total_reward"
+REWARDS = "rewards"
+"""PPO's per-row scalar reward after shaping (GAE reads it; the policy loss reads it for the positive-example NLL)."""
 ROUTED_EXPERTS = "routed_experts"
 
 DP_TRAIN_FIELDS: tuple[str, ...] = (

@@ -69,11 +69,13 @@ def test_parity_detects_a_difference(tmp_path):
     assert report["max_abs_diff"] == {"train/loss": 0.25} and report["missing"] == []
 
 
-#: added to tests.helpers.tiny_ppo_overrides: the critic's lr and value clip, the KL in the reward, the reward above
+#: added to tests.helpers.tiny_ppo_overrides: the critic's lr and value clip, the KL in the reward, the NLL on positive
+#: examples (the data-plane policy reads its rewards from the store) and the parity_test task.
 PPO_RUN = (
     "value.optimizer.kwargs.lr=1e-3",
     "value_loss_fn.value_clip=0.2",
     "loss_fn.use_kl_in_reward=true",
+    "loss_fn.positive_example_nll_weight=0.5",
     "data.train.default_task=parity_test",
     "checkpointing.enabled=false",
 )

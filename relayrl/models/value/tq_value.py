@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from relayrl.algorithms.gae import combine_advantage_stats
 from relayrl.data_plane.interfaces import KVBatchMeta
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS, TOKEN_ALIGNED_FIELDS, TRAIN_CONSUMER_TASKS
+from relayrl.data_plane.schema import DP_TRAIN_FIELDS, REWARDS, TOKEN_ALIGNED_FIELDS, TRAIN_CONSUMER_TASKS
 from relayrl.models.facade_base import timed
 from relayrl.models.tq_facade import TQFacade, check_meta, check_sample_count, require_written
 from relayrl.models.value.lm_value import Value
@@ -23,7 +23,6 @@ from relayrl.models.value.tq_worker import (
     ADV_RAW,
     ADV_WHITEN,
     RETURNS,
-    REWARDS,
     VALUE_SEED_FIELDS,
     VALUE_TOKEN_FIELDS,
     VALUE_TRAIN_FIELDS,

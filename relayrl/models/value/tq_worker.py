@@ -30,6 +30,7 @@ from relayrl.data_plane.schema import (
     INPUT_LENGTHS,
     PREV_LOGPROBS,
     REFERENCE_POLICY_LOGPROBS,
+    REWARDS,
     SAMPLE_MASK,
     TOKEN_MASK,
 )
@@ -38,7 +39,6 @@ from relayrl.models.worker_base import TQModelWorker
 
 VALUES = "values"
 RETURNS = "returns"
-REWARDS = "rewards"
 #: What a value pass fetches.
 VALUE_SEED_FIELDS: tuple[str, ...] = (INPUT_IDS, INPUT_LENGTHS)
 #: What a critic update fetches (MseValueLossFn reads returns, old values and both masks).
