@@ -206,6 +206,13 @@ class MasterConfig(Strict):
                 "grpo.num_generations_per_prompt must be >= 2: GRPO's advantage is a reward relative to the other "
                 "generations of the same prompt, so with one generation every advantage is 0 (use algorithm: ppo)"
             )
+        kl_in_reward = self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0
+        if self.algorithm == "grpo" and kl_in_reward and g.adv_estimator.name == "grpo":
+            raise ValueError(
+                "loss_fn.use_kl_in_reward=true with grpo.adv_estimator.name='grpo' would drop the KL penalty (the loss "
+                "then uses no KL and the grpo estimator adds none to the reward): use "
+                "grpo.adv_estimator.name=reinforce_plus_plus, or loss_fn.use_kl_in_reward=false"
+            )
         lo, hi = g.advantage_clip_low, g.advantage_clip_high
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"grpo.advantage_clip_low ({lo}) must be <= grpo.advantage_clip_high ({hi})")

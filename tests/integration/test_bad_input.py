@@ -75,6 +75,7 @@ CASES: list[tuple[list[str], str]] = [
         "num_generations_per_prompt must be >= 2",
     ),
     (["train", "grpo.advantage_clip_low=1", "grpo.advantage_clip_high=-1"], "advantage_clip_low"),
+    (["train", "loss_fn.use_kl_in_reward=true"], "loss_fn.use_kl_in_reward=true with grpo.adv_estimator.name='grpo'"),
     (["train", "data_plane.storage_capacity=10"], "data_plane.storage_capacity"),
     (["train", "grpo.batch_multiplier=2"], "batch_multiplier must be 1"),
     (["train", "policy.train_micro_batch_size=100"], "not divisible by policy.train_micro_batch_size"),
