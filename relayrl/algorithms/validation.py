@@ -103,6 +103,15 @@ def _samples(logs: list[Any], batch: BatchedDataDict) -> list[dict[str, object]]
     return [{"content": log, "rewards": r} for log, r in zip(logs, batch["total_reward"].tolist())]
 
 
+def _render(sample: dict[str, object]) -> str:
+    """One line for the console: each message as `role: content`, then the reward."""
+    content = sample["content"]
+    if isinstance(content, list):
+        content = " | ".join(f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in content)
+    flat = " ".join(str(content).splitlines())
+    return f"{flat} -> reward {sample['rewards']}"
+
+
 def _validate_batches(
     val_dataloader: BatchLoader, rollout: BatchRollout, step: int, cfg: MasterConfig, logger: Logger | None
 ) -> ValidationResult:
@@ -134,6 +143,8 @@ def _validate_batches(
         val_metrics["pass_k"] = (rewards.view(-1, k) > 0).any(dim=1).float().mean().item()
     if logger is not None:
         logger.log_jsonl(samples, f"val_data_step{step}.jsonl")
+        for i, sample in enumerate(samples[: cfg.logger.num_val_samples_to_print]):
+            logger.print_message(f"validation step {step} sample {i + 1}/{len(samples)}: {_render(sample)}")
     return val_metrics, {"total_validation_time": time.perf_counter() - t0}
 
 

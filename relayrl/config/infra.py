@@ -137,8 +137,8 @@ class LoggerConfig(Strict):
     num_train_samples_to_log: NonNegInt = 8
     """Rows of prompts/completions/rewards written to samples.jsonl per step."""
     num_val_samples_to_print: NonNegInt = 0
-    """Accepted for the reference's configs but not read: nothing is printed; every validation conversation goes
-    to `<run_dir>/val_data_step<N>.jsonl`."""
+    """How many validation conversations to print to the console (as one line each, with their reward) after each
+    validation; all of them go to `<run_dir>/val_data_step<N>.jsonl` regardless."""
 
 
 class CheckpointingConfig(Strict):

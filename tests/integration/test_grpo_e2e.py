@@ -39,7 +39,12 @@ def test_three_grpo_steps_then_resume_plot_evaluate(tmp_path, tiny_model_dir, ca
     assert (run_dir / "checkpoints" / "step_3" / "policy" / "weights" / "config.json").is_file()
 
     # Resume in the same run directory with a higher step budget: continues at step 4.
-    assert main(["train", "--run-dir", str(run_dir), *_tiny_overrides(tiny_model_dir, 4), *dp]) == 0
+    capsys.readouterr()
+    printed = ["logger.num_val_samples_to_print=2"]
+    assert main(["train", "--run-dir", str(run_dir), *_tiny_overrides(tiny_model_dir, 4), *dp, *printed]) == 0
+    lines = [ln for ln in "".join(capsys.readouterr()).splitlines() if ln.startswith("validation step 4 sample")]
+    assert [ln.split(":")[0] for ln in lines] == ["validation step 4 sample 1/8", "validation step 4 sample 2/8"]
+    assert all("-> reward " in ln and "assistant: " in ln for ln in lines), lines
     steps_after = sorted({r["step"] for r in metrics_rows(run_dir) if "train/loss" in r})
     assert steps_after == [1, 2, 3, 4]
 
