@@ -128,7 +128,7 @@ class MasterConfig(Strict):
     """Executor, worker count and placement, device and per-worker runtime settings."""
     reward_penalties: RewardPenaltiesConfig = RewardPenaltiesConfig()
     """Message-level advantage overrides for flagged assistant messages: applied by the legacy GRPO trainer, refused
-    by the data-plane one (data_plane.enabled), not read by PPO."""
+    by the data-plane one (data_plane.enabled), refused with PPO."""
     data_plane: DataPlaneConfig = DataPlaneConfig()
     """The sample-keyed store rollout tensors move through (off: the legacy in-memory trainers)."""
     ppo: PPOConfig = PPOConfig()
@@ -205,6 +205,15 @@ class MasterConfig(Strict):
             raise ValueError(
                 "grpo.num_generations_per_prompt must be >= 2: GRPO's advantage is a reward relative to the other "
                 "generations of the same prompt, so with one generation every advantage is 0 (use algorithm: ppo)"
+            )
+        if self.algorithm == "ppo" and self.reward_penalties.enabled_keys():
+            key = self.reward_penalties.enabled_keys()[0]
+            raise ValueError(
+                f"reward_penalties.{key} applies to GRPO only (PPO's per-token advantages come from GAE): remove it"
+            )
+        if self.algorithm == "ppo" and self.value.tokenizer != TokenizerConfig():
+            raise ValueError(
+                "value.tokenizer is not used: the critic scores the policy's token ids with policy.tokenizer; remove it"
             )
         kl_in_reward = self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0
         if self.algorithm == "grpo" and kl_in_reward and g.adv_estimator.name == "grpo":

@@ -302,7 +302,7 @@ class ValueConfig(BatchingModes):
     model_name: str = BUILTIN_TINY_MODEL
     """A local HF causal-LM directory, a sequence-classification (reward model) directory, or a saved critic."""
     tokenizer: TokenizerConfig = TokenizerConfig()
-    """Not read: the critic scores the policy's token ids with the policy's tokenizer (policy.tokenizer)."""
+    """Must stay unset (refused otherwise): the critic scores the policy's token ids with policy.tokenizer."""
     random_init: bool = False
     """Fresh backbone weights from `model_name`'s config.json (the head is always fresh unless the source has one)."""
     hf_config_overrides: dict[str, Any] = {}

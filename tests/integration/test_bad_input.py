@@ -76,6 +76,8 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (["train", "grpo.advantage_clip_low=1", "grpo.advantage_clip_high=-1"], "advantage_clip_low"),
     (["train", "loss_fn.use_kl_in_reward=true"], "loss_fn.use_kl_in_reward=true with grpo.adv_estimator.name='grpo'"),
+    (["train", "algorithm=ppo", "reward_penalties.malformed_thinking_advantage=-1"], "applies to GRPO only"),
+    (["train", "algorithm=ppo", "value.tokenizer.name=x"], "value.tokenizer is not used"),
     (["train", "data_plane.storage_capacity=10"], "data_plane.storage_capacity"),
     (["train", "grpo.batch_multiplier=2"], "batch_multiplier must be 1"),
     (["train", "policy.train_micro_batch_size=100"], "not divisible by policy.train_micro_batch_size"),
