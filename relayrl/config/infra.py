@@ -91,6 +91,8 @@ class MlflowConfig(Strict):
 
 
 class LoggerConfig(Strict):
+    log_dir: str = "runs"
+    """Where `relayrl train` without --run-dir creates the run directory (the next free <log_dir>/NNN)."""
     tensorboard_enabled: bool = True
     wandb_enabled: bool = False
     mlflow_enabled: bool = False

@@ -16,6 +16,9 @@ class TokenizerConfig(Strict):
     """Tokenizer directory; None means `policy.model_name`."""
     chat_template: str | None = None
     """Override the tokenizer's chat template (a Jinja string or a path to a .jinja file)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables every prompt rendering passes to the chat template (e.g. `enable_thinking: false` for
+    templates that read it); None passes none."""
 
 
 class GenerationResourcesConfig(Strict):
