@@ -30,6 +30,11 @@ PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% 
 _OFF: tuple[Any, ...] = (None, False, 0, {}, [], "")  # a feature left off
 _ONE = (None, 1)  # a parallel size that means "none"
 _LR = "torch.optim.lr_scheduler."
+#: NeMo RL's `policy.dtensor_cfg` keys that only describe its DTensor sharding (accepted as not used).
+_DTENSOR_KEYS = frozenset(
+    "_v2 enabled cpu_offload sequence_parallel automodel_kwargs expert_parallel_size defer_fsdp_grad_sync "
+    "moe_parallelizer env_vars clear_cache_every_n_steps".split()
+)
 
 
 class NemoLayoutError(ValueError):
@@ -48,7 +53,7 @@ def notice_line(unused: list[str]) -> str:
     """The one line naming every accepted but unused key, leaves of one block grouped as `block.{a,b}`."""
     groups: dict[str, list[str]] = {}
     for key in unused:
-        head, _, leaf = key.rpartition(".") if "=" not in key else (key, "", "")
+        head, _, leaf = key.rpartition(".") if "=" not in key and "." in key else (key, "", "")
         groups.setdefault(head, []).append(leaf)
     parts = []
     for head, leaves in groups.items():
@@ -181,7 +186,7 @@ class _Translator:
             allowed=_OFF,
             why="relayrl has no fault-tolerance saving, Megatron checkpoints, PEFT or async saving; remove the key",
         )
-        self.block("on_policy_distillation", why="relayrl has no on-policy distillation; remove the block")
+        self.drop("on_policy_distillation", allowed=(None,), why="relayrl has no on-policy distillation; set null")
         for key in ("penalize_duplicated_reasoning", "penalize_empty_final_answer", "penalize_unwanted_tokens"):
             self.drop(f"reward_penalties.{key}", allowed=_OFF, why="a NeMo-Gym reward penalty; set false")
         self.drop("reward_penalties.penalize_malformed_think_tag", allowed=_OFF, why="a NeMo-Gym penalty; set false")
@@ -213,6 +218,8 @@ class _Translator:
             self.require(f"{d}.custom_parallel_plan", (None,), "relayrl has no tensor parallelism; set null")
             self.block(f"{d}.lora_cfg", why="relayrl has no LoRA; set policy.dtensor_cfg.lora_cfg.enabled=false")
             for key in list(self.get(d)):
+                if key not in _DTENSOR_KEYS:  # in neither layout
+                    raise NemoLayoutError(f"unknown config key: {d}.{key}")
                 self.drop(f"{d}.{key}")
             self.pop(d)
         self._scheduler(f"{p}.scheduler")

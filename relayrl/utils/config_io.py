@@ -36,12 +36,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         translated = translate_nemo_layout(raw)
     except NemoLayoutError as exc:
         raise ConfigError(str(exc)) from None
-    if translated.unused:
+    cfg = validate_config(translated.config)
+    if translated.unused:  # a config that loads: a refused one shows its one error line only
         line = notice_line(translated.unused)
         if line not in _ANNOUNCED:
             _ANNOUNCED.add(line)
             print(line, file=sys.stderr)
-    return validate_config(translated.config)
+    return cfg
 
 
 def validate_config(raw: dict[str, Any]) -> MasterConfig:
