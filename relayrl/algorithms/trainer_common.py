@@ -255,7 +255,8 @@ class KvScaleSync:
         self.policy, self.generation, self.timer, self.pad_id = policy, generation, timer, pad_id
         self.val_dataloader = val_dataloader
         self.enabled = bool(getattr(generation, "requires_kv_scale_sync", False))
-        self.scales: dict[str, float] | None = None  # the last ones handed to generation
+        # the last ones handed to generation (a resumed run's engine holds its checkpoint's)
+        self.scales = generation.kv_scales if self.enabled else None
 
     def before_first_refit(self, batch: BatchedDataDict) -> None:
         """Calibrate on the prompts of `batch` (its message logs) unless scales exist already."""

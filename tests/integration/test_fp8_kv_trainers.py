@@ -110,3 +110,25 @@ def test_fp8_ppo_generation_holds_each_steps_calibration(tmp_path, tiny_model_di
     assert unpadded(*spies.calibrations[0][:2]) != unpadded(*spies.calibrations[1][:2])  # prompts, then sequences
     assert spies.engines[-1].kv_scales == spies.calibrations[-1][2]
     assert sorted(r["step"] for r in metrics_rows(run_dir) if "timing/train/recompute_kv_scales" in r) == [1, 2]
+
+
+def test_fp8_run_resumes_exactly_with_its_scales(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """The checkpoint keeps the scales calibrated after its step, so a resumed run generates its next step with the
+    same FP8 cache as the uninterrupted run and logs the same metrics."""
+    extra = ("policy.generation.kv_cache_dtype=fp8", "checkpointing.enabled=true", "cluster.deterministic=true")
+    spies = Spies(monkeypatch)
+    whole = run(tmp_path, tiny_model_dir, "false", *extra)
+    whole_scales = spies.engines[-1].kv_scales
+    monkeypatch.undo()
+    spies = Spies(monkeypatch)
+    resumed_dir = tmp_path / "resumed"
+    args = tiny_grpo_overrides(tiny_model_dir, *RUN, "data_plane.enabled=false", *extra)
+    assert main(["train", "--run-dir", str(resumed_dir), *args, "grpo.max_num_steps=1"]) == 0
+    calls = len(spies.calibrations)
+    assert main(["train", "--run-dir", str(resumed_dir), *args]) == 0
+    assert len(spies.calibrations) == calls + 1  # only after step 2: step 2's rollout used the checkpoint's scales
+    assert spies.engines[-1].kv_scales == whole_scales
+    step2 = [r for r in metrics_rows(resumed_dir) if r.get("step") == 2 and "train/loss" in r]
+    expected = [r for r in whole if r.get("step") == 2 and "train/loss" in r]
+    assert [r["train/loss"] for r in step2] == [r["train/loss"] for r in expected]
+    assert [r["train/reward"] for r in step2] == [r["train/reward"] for r in expected]
