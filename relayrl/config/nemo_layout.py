@@ -208,9 +208,9 @@ class _Translator:
         d = f"{p}.dtensor_cfg"
         if self.has(d):
             self.move(f"{d}.activation_checkpointing", f"{p}.activation_checkpointing")
-            for key, what in (("tensor", "tensor"), ("context", "context"), ("expert", "expert")):
+            for what in ("tensor", "context", "expert"):
                 self.require(
-                    f"{d}.{key}_parallel_size",
+                    f"{d}.{what}_parallel_size",
                     _ONE,
                     f"relayrl has no {what} parallelism; set 1 (scale with cluster.gpus_per_node: data parallelism)",
                 )
