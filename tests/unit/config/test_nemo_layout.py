@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from relayrl.config import MasterConfig
-from relayrl.config.interpolation import resolve_interpolations
 from relayrl.config.nemo_layout import PASSTHROUGH_TEMPLATE, NemoLayoutError, notice_line, translate_nemo_layout
 from relayrl.utils import config_io
 from relayrl.utils.config_io import ConfigError, load_config
@@ -122,28 +121,6 @@ def test_keys_in_neither_layout_stay_refused(tmp_path: Path) -> None:
     path.write_text("policy:\n  dtensor_cfg:\n    enabled: true\n  generation:\n    backend: vllm\n  modle_name: x\n")
     with pytest.raises(ConfigError, match=r"^unknown config key: policy\.modle_name$"):
         load_config(path)
-
-
-def test_interpolations_resolve_like_the_reference_yaml() -> None:
-    raw = {
-        "policy": {
-            "model_name": "m",
-            "tokenizer": {"name": "${policy.model_name}"},
-            "max_total_sequence_length": 512,
-            "train_micro_batch_size": 4,
-            "logprob_batch_size": "${policy.train_micro_batch_size}",
-            "dynamic_batching": {"train_mb_tokens": "${mul:${policy.max_total_sequence_length}, 4}"},
-            "generation": {"temperature": 0.5, "val_temperature": "${.temperature}", "note": "t=${.temperature}"},
-        }
-    }
-    out = resolve_interpolations(raw)["policy"]
-    assert out["tokenizer"]["name"] == "m" and out["logprob_batch_size"] == 4
-    assert out["dynamic_batching"]["train_mb_tokens"] == 2048
-    assert out["generation"]["val_temperature"] == 0.5 and out["generation"]["note"] == "t=0.5"
-    with pytest.raises(ValueError, match="interpolation cycle"):
-        resolve_interpolations({"a": "${b}", "b": "${a}"})
-    with pytest.raises(ValueError, match=r"unsupported interpolation \$\{oc\.env:HOME\}"):
-        resolve_interpolations({"a": "${oc.env:HOME}"})
 
 
 def test_relayrl_configs_pass_through_unchanged() -> None:
