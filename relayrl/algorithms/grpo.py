@@ -25,6 +25,7 @@ from relayrl.algorithms.protocols import BatchLoader, Generation, Policy, Tokeni
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
+    KvScaleSync,
     driver_nbytes,
     first_assistant_lengths,
     guard_finite,
@@ -80,6 +81,7 @@ def grpo_train(
         validate_at=lambda step: validate(
             policy_generation, val_dataloader, tokenizer, val_task_to_env, step, master_config, logger
         ),
+        kv_sync=KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader),
     )
     parts = LoopParts(
         master_config, grpo_save_state, timer, dataloader, policy, policy_generation, checkpointer, logger
@@ -101,14 +103,16 @@ class GRPOSteps:
         cfg: MasterConfig,
         timer: Timer,
         validate_at: Callable[[int], ValidationResult],
+        kv_sync: KvScaleSync,
     ) -> None:
         self.policy, self.generation, self.tokenizer, self.loss_fn = policy, policy_generation, tokenizer, loss_fn
+        self.kv_sync = kv_sync
         self.task_to_env, self.cfg, self.g, self.timer = task_to_env, cfg, cfg.grpo, timer
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
         self.pad_id = tokenizer.pad_token_id
         self.flag_to_adv = message_level_advantages(cfg)  # grpo.* or reward_penalties.* keys
-        self.validate = validation_runner(policy_generation, logger, validate_at)
+        self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
         # dynamic sampling collects groups across generation batches until a step's worth survives
         self.batch_cache: BatchedDataDict | None = None
         self.num_gen_batches = 0
@@ -127,6 +131,7 @@ class GRPOSteps:
                 repeated["message_log"], pad_value_dict={"token_ids": self.pad_id}
             )
             repeated["prompt_ids"] = prompt_flat["token_ids"]  # [B, P]
+        self.kv_sync.before_first_refit(repeated)
         repeated, rollout_metrics = self._generate(repeated)
         self._guard_rewards(repeated, step)
         with timer.time("reward_calculation"):
@@ -164,6 +169,7 @@ class GRPOSteps:
             train_results = self.policy.train(train_data, self.loss_fn)
             guard_update(train_results, step)
             self.policy.finish_training()
+        self.kv_sync.after_training(lambda: train_data.select_keys(["input_ids", "input_lengths"]))
         metrics = step_metrics(
             train_results=train_results,
             reward_for_log=reward_for_log,

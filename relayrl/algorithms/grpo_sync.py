@@ -31,6 +31,7 @@ from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generatio
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
+    KvScaleSync,
     carry_sample_rows,
     guard_finite,
     guard_rewards,
@@ -89,7 +90,8 @@ def grpo_train_sync(
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
     validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
-    steps = GRPOSyncSteps(policy, policy_generation, actor, loss_fn, logger, cfg, timer, validate_at)
+    kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)
+    steps = GRPOSyncSteps(policy, policy_generation, actor, loss_fn, logger, cfg, timer, validate_at, kv_sync)
     parts = LoopParts(cfg, grpo_save_state, timer, wrapped_dataloader, policy, policy_generation, checkpointer, logger)
     return run_loop(steps, parts)
 
@@ -107,8 +109,10 @@ class GRPOSyncSteps:
         cfg: MasterConfig,
         timer: Timer,
         validate_at: Callable[[int], ValidationResult],
+        kv_sync: KvScaleSync,
     ) -> None:
         self.policy, self.generation, self.actor, self.loss_fn = policy, policy_generation, rollout_actor, loss_fn
+        self.kv_sync = kv_sync
         self.logger, self.cfg, self.g, self.timer = logger, cfg, cfg.grpo, timer
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
@@ -116,7 +120,7 @@ class GRPOSyncSteps:
         self.carry_keys = rollout_carry_keys(
             _CARRY, cfg.grpo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
         )
-        self.validate = validation_runner(policy_generation, logger, validate_at)
+        self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
         # dynamic sampling collects groups (their keys stay in the store) across generation batches
         self.pending_meta: KVBatchMeta | None = None
         self.pending_carry: BatchedDataDict | None = None
@@ -131,6 +135,7 @@ class GRPOSyncSteps:
         self.num_gen_batches += 1
         with timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
             repeated = batch.repeat_interleave(g.num_generations_per_prompt)
+        self.kv_sync.before_first_refit(repeated)
         meta, carry, rollout_metrics = self._generate(repeated)
         carry["total_reward"], drop = guard_rewards(carry["total_reward"], g.num_generations_per_prompt, self.cfg, step)
         if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
@@ -169,6 +174,9 @@ class GRPOSyncSteps:
             train_results = self.policy.train_from_meta(meta, self.loss_fn, timer=timer, train_fields=self.train_fields)
             guard_update(train_results, step)
             self.policy.finish_training()
+        self.kv_sync.after_training(
+            lambda: self.policy.read_from_dataplane(meta, select_fields=["input_ids", "input_lengths"])
+        )
         self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
         metrics = step_metrics(
             train_results=train_results,

@@ -27,6 +27,7 @@ from relayrl.algorithms.protocols import BatchLoader, Generation, Policy, Tokeni
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
+    KvScaleSync,
     PolicyAndCritic,
     driver_nbytes,
     first_assistant_lengths,
@@ -86,6 +87,7 @@ def ppo_train(
         cfg,
         timer,
         validate_at,
+        KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader),
     )
     both = PolicyAndCritic(policy, value)
     return run_loop(steps, LoopParts(cfg, save_state, timer, dataloader, both, policy_generation, checkpointer, logger))
@@ -107,8 +109,10 @@ class PPOSteps:
         cfg: MasterConfig,
         timer: Timer,
         validate_at: Callable[[int], ValidationResult],
+        kv_sync: KvScaleSync,
     ) -> None:
         self.policy, self.generation, self.value, self.tokenizer = policy, policy_generation, value, tokenizer
+        self.kv_sync = kv_sync
         self.loss_fn, self.value_loss_fn, self.task_to_env = loss_fn, value_loss_fn, task_to_env
         self.logger, self.cfg, self.p, self.timer = logger, cfg, cfg.ppo, timer
         self.estimator: GeneralizedAdvantageEstimator | RawRewardAdvantageEstimator = build_ppo_advantage_estimator(
@@ -116,7 +120,7 @@ class PPOSteps:
         )
         self.skip_ref = not cfg.reference_model_needed
         self.pad_id = tokenizer.pad_token_id
-        self.validate = validation_runner(policy_generation, logger, validate_at)
+        self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
 
     def close(self) -> None:
         """Nothing to release: the legacy trainer owns no actor."""
@@ -129,6 +133,7 @@ class PPOSteps:
                 repeated["message_log"], pad_value_dict={"token_ids": self.pad_id}
             )
             prompt_ids = prompt_flat["token_ids"]  # [B, P]
+        self.kv_sync.before_first_refit(repeated)
         repeated, rollout_metrics = self._generate(repeated)
         repeated["total_reward"], drop = guard_rewards(
             repeated["total_reward"], p.num_generations_per_prompt, self.cfg, step
@@ -178,6 +183,7 @@ class PPOSteps:
             policy,
             lambda: policy.train(train_data, self.loss_fn),
         )
+        self.kv_sync.after_training(lambda: train_data.select_keys(["input_ids", "input_lengths"]))
         metrics.update(
             driver_bytes=float(driver_nbytes(train_data)),  # the legacy path moves every byte through the driver
             **ppo_step_metrics(

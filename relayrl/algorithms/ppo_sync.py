@@ -43,6 +43,7 @@ from relayrl.algorithms.protocols import (
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
+    KvScaleSync,
     PolicyAndCritic,
     carry_sample_rows,
     guard_finite,
@@ -90,8 +91,9 @@ def ppo_train_sync(
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
     validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
+    kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)
     steps = PPOSyncSteps(
-        policy, policy_generation, value, actor, loss_fn, value_loss_fn, logger, cfg, timer, validate_at
+        policy, policy_generation, value, actor, loss_fn, value_loss_fn, logger, cfg, timer, validate_at, kv_sync
     )
     both = PolicyAndCritic(policy, value)
     return run_loop(steps, LoopParts(cfg, save_state, timer, dataloader, both, policy_generation, checkpointer, logger))
@@ -112,8 +114,10 @@ class PPOSyncSteps:
         cfg: MasterConfig,
         timer: Timer,
         validate_at: Callable[[int], ValidationResult],
+        kv_sync: KvScaleSync,
     ) -> None:
         self.policy, self.generation, self.value, self.actor = policy, policy_generation, value, rollout_actor
+        self.kv_sync = kv_sync
         self.loss_fn, self.value_loss_fn = loss_fn, value_loss_fn
         self.logger, self.cfg, self.p, self.timer = logger, cfg, cfg.ppo, timer
         self.estimator: GeneralizedAdvantageEstimator | RawRewardAdvantageEstimator = build_ppo_advantage_estimator(
@@ -127,7 +131,7 @@ class PPOSyncSteps:
         self.carry_keys = rollout_carry_keys(
             _CARRY, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
         )
-        self.validate = validation_runner(policy_generation, logger, validate_at)
+        self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
 
     def close(self) -> None:
         self.actor.shutdown()
@@ -136,6 +140,7 @@ class PPOSyncSteps:
         timer, p, policy, value = self.timer, self.p, self.policy, self.value
         with timer.time("data_processing"):  # repeat prompts G times (the actor flattens and groups them)
             repeated = batch.repeat_interleave(p.num_generations_per_prompt)
+        self.kv_sync.before_first_refit(repeated)
         meta, carry, rollout_metrics, carry_bytes = self._generate(repeated)
         carry["total_reward"], drop = guard_rewards(carry["total_reward"], p.num_generations_per_prompt, self.cfg, step)
         if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
@@ -173,6 +178,9 @@ class PPOSyncSteps:
             lambda: value.train_from_meta(meta, self.value_loss_fn, timer=timer),
             policy,
             lambda: policy.train_from_meta(meta, self.loss_fn, timer=timer, train_fields=self.train_fields),
+        )
+        self.kv_sync.after_training(
+            lambda: policy.read_from_dataplane(meta, select_fields=["input_ids", "input_lengths"])
         )
         value.finish_step(meta)  # clears every key of the step; a leftover key is an error
         dp_metrics = _step_bytes(policy, value, self.actor, carry_bytes)

@@ -31,6 +31,7 @@ __all__ = [
     "DataPlanePolicy",
     "DataPlaneValue",
     "Generation",
+    "KvCalibrator",
     "Policy",
     "RolloutActor",
     "Tokenizer",
@@ -62,6 +63,9 @@ class Generation(Protocol):
     def get_rng_state(self) -> torch.Tensor: ...
     def set_rng_state(self, state: torch.Tensor) -> None: ...
     def shutdown(self) -> bool: ...
+    def set_kv_scales(self, kv_scales: Mapping[str, float] | None) -> None: ...
+    @property
+    def kv_scales(self) -> dict[str, float] | None: ...
 
 
 class Checkpointable(Protocol):
@@ -72,7 +76,20 @@ class Checkpointable(Protocol):
     ) -> None: ...
 
 
-class Policy(Checkpointable, Protocol):
+class KvCalibrator(Protocol):
+    """A policy that measures its attention inputs for an FP8 KV cache (`fp8_kv`, reference §5.6)."""
+
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]: ...
+
+
+class Policy(Checkpointable, KvCalibrator, Protocol):
     """The policy of the legacy trainers: every pass takes and returns driver-side tensors."""
 
     def prepare_for_lp_inference(self) -> None: ...
@@ -84,7 +101,7 @@ class Policy(Checkpointable, Protocol):
     def shutdown(self) -> bool: ...
 
 
-class DataPlanePolicy(Checkpointable, Protocol):
+class DataPlanePolicy(Checkpointable, KvCalibrator, Protocol):
     """The policy of the data-plane trainers: passes take a `KVBatchMeta`; workers fetch and write back by key."""
 
     tq_partition_id: str

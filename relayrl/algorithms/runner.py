@@ -152,7 +152,9 @@ def save_checkpoint(
         tokenizer_path=str(tmp / "policy" / "tokenizer"),
     )
     save_state_file(tmp / DATALOADER_STATE, dataloader.state_dict())  # safetensors + JSON: nothing to unpickle
-    rng = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
+    rng: dict[str, object] = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
+    if policy_generation.kv_scales is not None:  # FP8 KV cache: the next step generates with these (exact resume)
+        rng["kv_scales"] = policy_generation.kv_scales
     save_state_file(tmp / RNG_STATE, rng)
     return checkpointer.finalize_checkpoint(tmp)
 

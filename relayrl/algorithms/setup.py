@@ -205,6 +205,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     if last is not None:
         restore_rng_state(rng_state["global"])
         policy_generation.set_rng_state(rng_state["generation"])
+        if "kv_scales" in rng_state:  # FP8 KV cache: the scales calibrated after the checkpointed step
+            policy_generation.set_kv_scales(rng_state["kv_scales"])
         logger.print_message(f"Resumed from {last} (step {save_state.total_steps})")
     return RunComponents(
         policy=policy,

@@ -15,13 +15,20 @@ from typing import Any, Protocol
 import torch
 
 from relayrl.algorithms.logprob_error import seq_logprob_error_metrics_from_rows
-from relayrl.algorithms.protocols import Checkpointable, DataPlanePolicy, Generation, Tokenizer
+from relayrl.algorithms.protocols import (
+    BatchLoader,
+    Checkpointable,
+    DataPlanePolicy,
+    Generation,
+    KvCalibrator,
+    Tokenizer,
+)
 from relayrl.algorithms.utils import aggregate_train_metrics, mean_over_epochs, policy_train_metrics
 from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
-from relayrl.experience.rollouts import run_multi_turn_rollout
+from relayrl.experience.rollouts import batched_message_log_to_flat_message, run_multi_turn_rollout
 from relayrl.utils.timer import Timer
 
 
@@ -224,6 +231,60 @@ def rollout_in_driver(
         )
         generation.finish_generation()
     return out
+
+
+class KvScaleSync:
+    """FP8 KV cache (`policy.generation.kv_cache_dtype=fp8`): the policy's calibrated scales follow its weights.
+
+    As the reference does (§1.3 steps 4 and 16, §5.6), the policy calibrates (`include_q=True`) before the first
+    refit, on the prompts about to be rolled out (or the first validation batch when validation comes first), and
+    after every training step, on the sequences it just trained on. `set_kv_scales` hands the `layers` dict to the
+    engine, which sends it with its next refit: in the collective broadcast (`broadcast_weights_for_collective(
+    kv_scales)`) to a separate generation group, by a call to colocated workers, in place to the driver's own
+    engine. One copy for every trainer; with any other cache dtype every method returns at once, so runs are
+    unchanged."""
+
+    def __init__(
+        self,
+        policy: KvCalibrator,
+        generation: Generation,
+        timer: Timer,
+        pad_id: int,
+        val_dataloader: BatchLoader | None,
+    ) -> None:
+        self.policy, self.generation, self.timer, self.pad_id = policy, generation, timer, pad_id
+        self.val_dataloader = val_dataloader
+        self.enabled = bool(getattr(generation, "requires_kv_scale_sync", False))
+        # the last ones handed to generation (a resumed run's engine holds its checkpoint's)
+        self.scales = generation.kv_scales if self.enabled else None
+
+    def before_first_refit(self, batch: BatchedDataDict) -> None:
+        """Calibrate on the prompts of `batch` (its message logs) unless scales exist already."""
+        if not self.enabled or self.scales is not None:
+            return
+        flat, lengths = batched_message_log_to_flat_message(
+            batch["message_log"], pad_value_dict={"token_ids": self.pad_id}
+        )
+        self._calibrate(BatchedDataDict(input_ids=flat["token_ids"], input_lengths=lengths))  # [B, P], [B]
+
+    def before_validation(self) -> None:
+        """Validation before any step (`val_at_start`): calibrate on the first validation batch's prompts."""
+        if self.enabled and self.scales is None and self.val_dataloader is not None:
+            for batch in self.val_dataloader:  # in order, not shuffled: reading a batch changes no state
+                self.before_first_refit(batch)
+                break
+
+    def after_training(self, read: Callable[[], BatchedDataDict]) -> None:
+        """Recalibrate on the step's trained sequences (`read()` gives their input_ids and input_lengths), timed as
+        `recompute_kv_scales`; the next refit carries the new scales."""
+        if self.enabled:
+            with self.timer.time("recompute_kv_scales"):
+                self._calibrate(read())
+
+    def _calibrate(self, data: BatchedDataDict) -> None:
+        layers = self.policy.calibrate_qkv_fp8_scales(data, include_q=True)["layers"]
+        self.scales = {str(k): float(v) for k, v in layers.items()}
+        self.generation.set_kv_scales(self.scales)
 
 
 def driver_nbytes(batch: BatchedDataDict) -> int:

@@ -173,12 +173,18 @@ def sync_validator(
 
 
 def validation_runner(
-    policy_generation: Generation, logger: Logger, validate_at: Callable[[int], ValidationResult]
+    policy_generation: Generation,
+    logger: Logger,
+    validate_at: Callable[[int], ValidationResult],
+    before: Callable[[], None] | None = None,
 ) -> Callable[[int], dict[str, float]]:
     """`run_validation(step)` of a trainer: generation prepared around the whole validation, the timing logged under
-    `timing/validation/` and the metrics under `validation/`. Returns the metrics."""
+    `timing/validation/` and the metrics under `validation/`. Returns the metrics. `before` runs ahead of the
+    preparation (the FP8 KV-scale calibration that must precede a first refit)."""
 
     def run_validation(step: int) -> dict[str, float]:
+        if before is not None:
+            before()
         policy_generation.prepare_for_generation()
         val_metrics, timing_metrics = validate_at(step)
         if timing_metrics:

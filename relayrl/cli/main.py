@@ -92,7 +92,7 @@ def _train(args: argparse.Namespace) -> int:
     except DirectoryInUseError as exc:
         return _fail(str(exc))
     if run_dir is None:
-        run_dir = next_run_dir("runs")
+        run_dir = next_run_dir(cfg.logger.log_dir)
     elif base is not None:
         problem = _check_resume(base, cfg, run_dir, args.allow_inexact_resume)
         if problem:
@@ -196,7 +196,7 @@ def _parity(args: argparse.Namespace) -> int:
     from relayrl.algorithms.parity import run_parity
     from relayrl.algorithms.setup import SetupError
 
-    out = Path(args.out) if args.out else next_run_dir("runs")
+    out = Path(args.out) if args.out else next_run_dir(cfg.logger.log_dir)
     try:
         report = run_parity(cfg, out, steps=args.steps)
     except SetupError as exc:

@@ -122,6 +122,8 @@ class MlflowConfig(Strict):
 class LoggerConfig(Strict):
     """Where metrics go besides `<run_dir>/metrics.jsonl`, which is always written."""
 
+    log_dir: str = "runs"
+    """Where `relayrl train` without --run-dir creates the run directory (the next free <log_dir>/NNN)."""
     tensorboard_enabled: bool = True
     """Write TensorBoard event files under `<run_dir>/tensorboard`."""
     wandb_enabled: bool = False

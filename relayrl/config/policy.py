@@ -16,6 +16,9 @@ class TokenizerConfig(Strict):
     """Tokenizer directory; None means `policy.model_name`."""
     chat_template: str | None = None
     """Override the tokenizer's chat template (a Jinja string or a path to a .jinja file)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables every prompt rendering passes to the chat template (e.g. `enable_thinking: false` for
+    templates that read it); None passes none."""
 
 
 class GenerationResourcesConfig(Strict):
@@ -65,8 +68,8 @@ class GenerationConfig(Strict):
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """KV-cache storage during generation. `auto`: the model's dtype (float32 on CPU). `fp8`: float8 e4m3
     (torch.float8_e4m3fn, 1 byte per value) holding k / k_scale and v / v_scale per layer, multiplied back on every
-    read, on CPU and GPU; the scales are the policy's `calibrate_qkv_fp8_scales` ones, set on the engine with
-    `set_kv_scales` and carried by the refit (1.0 until the first ones arrive). Log-probs move by quantization error
+    read, on CPU and GPU; the trainers calibrate them (`calibrate_qkv_fp8_scales`, include_q) before the first refit
+    and after every training step, and the refit carries them to generation. Log-probs move by quantization error
     (tests/unit/models/test_fp8_kv.py measures it); the compiled CPU decode step is not used (PyTorch ops instead)."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,7 @@ class PromptDataset(Dataset):
         prompt_template: str | None = None,
         skip_overlong_prompts: bool = False,
         name: str = "dataset",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if not records:
             raise ValueError(f"{name} is empty")
@@ -179,7 +181,9 @@ class PromptDataset(Dataset):
             conversations.append(messages)
         for start in range(0, len(records), _CHUNK):  # batched rendering and tokenization: several times faster
             chunk = conversations[start : start + _CHUNK]
-            rendered = tokenizer.apply_chat_template(chunk, tokenize=False, add_generation_prompt=True)
+            rendered = tokenizer.apply_chat_template(
+                chunk, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
             token_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
             for k, (text, ids) in enumerate(zip(rendered, token_ids)):
                 n = start + k + 1
@@ -247,6 +251,7 @@ def build_datasets(cfg: MasterConfig, tokenizer: Any) -> tuple[PromptDataset, Pr
         "system_prompt": cfg.data.system_prompt,
         "prompt_template": cfg.data.prompt_template,
         "skip_overlong_prompts": cfg.data.skip_overlong_prompts,
+        "chat_template_kwargs": cfg.policy.tokenizer.chat_template_kwargs,
     }
     train = PromptDataset(train_records, tokenizer, name="training set", **common)
     val = PromptDataset(val_records, tokenizer, name="validation set", **common) if val_records is not None else None

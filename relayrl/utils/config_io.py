@@ -5,6 +5,7 @@ Every failure becomes one `ConfigError` line naming the offending key, which the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,19 +14,35 @@ import yaml
 from pydantic import ValidationError
 
 from relayrl.config import MasterConfig
+from relayrl.config.nemo_layout import NemoLayoutError, notice_line, translate_nemo_layout
 
 
 class ConfigError(ValueError):
     """A user-facing configuration problem (bad key, bad value, unreadable file)."""
 
 
+#: "not used by relayrl" lines already printed by this process (each is printed once).
+_ANNOUNCED: set[str] = set()
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> MasterConfig:
-    """Read `path` (or start from the schema defaults), apply `key.sub=value` overrides, validate."""
+    """Read `path` (or start from the schema defaults), apply `key.sub=value` overrides, read NeMo RL's layout into
+    relayrl's (`config.nemo_layout`: its unused keys named on one stderr line, once per process), validate."""
     raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value)
-    return validate_config(raw)
+    try:
+        translated = translate_nemo_layout(raw)
+    except NemoLayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    cfg = validate_config(translated.config)
+    if translated.unused:  # a config that loads: a refused one shows its one error line only
+        line = notice_line(translated.unused)
+        if line not in _ANNOUNCED:
+            _ANNOUNCED.add(line)
+            print(line, file=sys.stderr)
+    return cfg
 
 
 def validate_config(raw: dict[str, Any]) -> MasterConfig:

@@ -174,6 +174,11 @@ class DistributedGeneration(GenerationInterface):
         self._kv_scales = None if kv_scales is None else {str(k): float(v) for k, v in kv_scales.items()}
         self._kv_scales_pending = True
 
+    @property
+    def kv_scales(self) -> dict[str, float] | None:
+        """The FP8 scales last handed to `set_kv_scales` (a copy; None before any)."""
+        return None if self._kv_scales is None else dict(self._kv_scales)
+
     def worker_kv_scales(self) -> list[dict[str, float] | None]:
         """The FP8 scales every worker's engine uses (None: none received)."""
         return self._group.run_all(GenerationWorker.get_kv_scales)

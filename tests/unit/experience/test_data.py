@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -203,3 +204,16 @@ def test_train_loader_resumes_mid_epoch_exactly(char_tokenizer) -> None:
     again, _ = build_dataloaders(cfg, char_tokenizer)
     assert [_ids(b) for b in again] == reference  # seeded: same order every build
     assert [_ids(b) for b in val_loader] == [[0, 1], [2, 3]]  # in order, capped at max_val_samples
+
+
+def test_chat_template_kwargs_reach_every_rendering(tmp_path: Path, char_tokenizer) -> None:
+    """policy.tokenizer.chat_template_kwargs (NeMo RL's key) are variables of the template at every rendering."""
+    tok = copy.deepcopy(char_tokenizer)
+    tok.chat_template = "{% if brief %}B:{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = _jsonl(tmp_path / "d.jsonl", ROWS[:2])
+    for kwargs, first in ((None, "12+30="), ({"brief": True}, "B:12+30=")):
+        raw = _file_cfg(path).model_dump(mode="json")
+        raw["policy"]["tokenizer"]["chat_template_kwargs"] = kwargs
+        cfg = MasterConfig.model_validate(raw)
+        train, _ = build_datasets(cfg, tok)
+        assert train[0]["message_log"][0]["content"] == first
