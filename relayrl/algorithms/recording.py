@@ -64,7 +64,7 @@ class StepRecorder:
             "weight_version": step - 1,
             "trainer": self.trainer,
             "algorithm": self.algorithm,
-            "rollout_metrics": {k: float(v) for k, v in rollout_metrics.items()},
+            "rollout_metrics": dict(rollout_metrics),  # as returned (ints stay ints): a replay hands them back
         }
 
     def request(

@@ -18,12 +18,16 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--from-step", type=int, required=True, help="first step to replay (needs checkpoint step_N-1)")
     r.add_argument("--to-step", type=int, help="last step to replay (default: --from-step)")
     r.add_argument("--out", required=True, help="directory for the replay (metrics.jsonl, config.yaml)")
-    r.add_argument("overrides", nargs="*", help="config changes to replay with, e.g. loss_fn.ratio_clip_max=0.3")
+    r.add_argument("overrides", nargs="*", help="config changes to replay with, right after RUN_DIR")
+    r.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config change (repeatable), anywhere"
+    )
     r.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
+    overrides = [*args.overrides, *args.set]
     if not (run_dir / "config.yaml").is_file():
         return fail(f"{run_dir} is not a run directory (no config.yaml)")
     if out.exists() and any(out.iterdir()):
@@ -32,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from relayrl.algorithms.setup import SetupError
 
     try:
-        report = replay_run(run_dir, args.from_step, args.to_step, out, args.overrides)
+        report = replay_run(run_dir, args.from_step, args.to_step, out, overrides)
     except (ConfigError, SetupError, FileNotFoundError, ValueError, KeyError) as exc:
         return fail(str(exc).strip("'\""))
     steps = f"{report.steps[0]}..{report.steps[-1]}"

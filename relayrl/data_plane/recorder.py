@@ -149,7 +149,7 @@ def table_column(table: Any, name: str) -> Column:
     if hasattr(col, "offsets"):  # a list column: per-token values
         offsets = col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)  # [N + 1]
         flat = col.flatten().to_numpy(zero_copy_only=False)
-        values = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype)
+        values = torch.from_numpy(np.array(flat, copy=True)).to(dtype)
         return Column.jagged(values, torch.from_numpy(np.diff(offsets)))
-    values = torch.from_numpy(np.ascontiguousarray(col.to_numpy(zero_copy_only=False))).to(dtype)
+    values = torch.from_numpy(np.array(col.to_numpy(zero_copy_only=False), copy=True)).to(dtype)
     return Column.dense(values)
