@@ -57,12 +57,13 @@ def same(a: Any, b: Any) -> bool:
 
 
 def first_metric_divergence(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> tuple[int, list[str]] | None:
-    """(step, differing metric names in A's logged order) at the first common step that differs, else None."""
+    """(step, differing metric names) at the first common step that differs, else None."""
     for step in sorted(set(a) & set(b)):
         names = list(dict.fromkeys([*a[step], *b[step]]))
         bad = [n for n in names if n not in a[step] or n not in b[step] or not same(a[step][n], b[step][n])]
-        if bad:
-            return step, bad
+        if bad:  # training metrics first, then validation, then the rest (byte counters...), each in logged order
+            rank = {"train": 0, "validation": 1}
+            return step, sorted(bad, key=lambda n: rank.get(n.split("/", 1)[0], 2))
     return None
 
 
