@@ -46,17 +46,15 @@ class StepRecorder:
         return self.enabled and step % self.every_n_steps == 0
 
     def driver_columns(
-        self, step: int, rewards: torch.Tensor, baseline: torch.Tensor, std: torch.Tensor
+        self, step: int, rewards: torch.Tensor, baseline: torch.Tensor | None = None, std: torch.Tensor | None = None
     ) -> dict[str, RecordValue]:
         """Per-row values the driver holds: the version of the weights that generated the rows (updates done
-        before this step), the post-processed reward the advantages used, and its group baseline and std."""
+        before this step), the post-processed reward the advantages used, and (GRPO) its group baseline and std."""
         n = rewards.shape[0]
-        return {
-            "weight_version": [step - 1] * n,
-            "reward": rewards.float(),  # [B]
-            "baseline": baseline.float(),  # [B]
-            "std": std.float(),  # [B]
-        }
+        out: dict[str, RecordValue] = {"weight_version": [step - 1] * n, "reward": rewards.float()}  # [B]
+        if baseline is not None and std is not None:
+            out.update(baseline=baseline.float(), std=std.float())  # [B] each
+        return out
 
     def info(self, step: int, rollout_metrics: dict[str, Any]) -> dict[str, Any]:
         return {

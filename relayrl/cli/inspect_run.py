@@ -55,8 +55,8 @@ def step_samples(table: Any, tokens: int) -> tuple[list[dict[str, Any]], str | N
                 "completion": cols["completion"][i],
                 "reward_env": cols["reward_env"][i],
                 "reward": cols["reward"][i],
-                "baseline": cols["baseline"][i],
-                "std": cols["std"][i],
+                "baseline": cols["baseline"][i] if "baseline" in cols else None,  # GRPO only
+                "std": cols["std"][i] if "std" in cols else None,
                 "advantage": row_advantage(cols["advantages"][i], mask),
                 "gaps": [(pos, cols["input_ids"][i][pos], gap) for pos, gap in gaps],
             }
@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]{escape(str(run_dir))} step {args.step}[/bold]: {len(rows)} of {table.num_rows} samples")
     for r in rows:
         gaps = ", ".join(f"{decode(tok)!r}@{pos} {gap:+.3g}" for pos, tok, gap in r["gaps"]) or "-"
+        group = "" if r["baseline"] is None else f"group baseline {r['baseline']:.4g} ± {r['std']:.4g}  "
         console.print(
             f"[bold]row {r['row']}[/bold]  advantage [bold]{r['advantage']:+.4g}[/bold]  "
-            f"reward env {r['reward_env']:.4g} / shaped {r['reward']:.4g}  "
-            f"group baseline {r['baseline']:.4g} ± {r['std']:.4g}  [dim]{escape(r['key'])}[/dim]"
+            f"reward env {r['reward_env']:.4g} / shaped {r['reward']:.4g}  {group}[dim]{escape(r['key'])}[/dim]"
         )
         console.print(f"  prompt:     {escape(r['prompt'])}")
         console.print(f"  completion: [cyan]{escape(r['completion'])}[/cyan]")

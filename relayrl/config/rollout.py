@@ -83,6 +83,9 @@ class RolloutConfig(Strict):
 
 class GRPOConfig(RolloutConfig):
     normalize_rewards: bool = True
+    normalize_rewards_epsilon: PositiveFloat = 1e-6
+    """Added to the group's reward std when advantages are normalized, a = (r - mean) / (std + epsilon); TRL's GRPO
+    uses 1e-4 (docs/trl_mapping.md)."""
     use_leave_one_out_baseline: bool = False
     advantage_clip_low: float | None = None
     advantage_clip_high: float | None = None
