@@ -33,8 +33,13 @@ RecordValue = Column | torch.Tensor | Sequence[Any]
 
 
 def warm_up() -> None:
-    """Import pyarrow's Parquet writer now (a fifth of a second), so the first recorded step does not pay it."""
-    import pyarrow.parquet  # noqa: F401
+    """Write a one-row table to memory now: the first conversion imports pandas and sets up the zstd codec (about
+    half a second), which would otherwise land in the first recorded step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    column = pa.ListArray.from_arrays(pa.array(np.array([0, 1], dtype=np.int32)), pa.array(np.zeros(1, np.float32)))
+    pq.write_table(pa.table({"x": column, "s": pa.array(["a"])}), pa.BufferOutputStream(), compression="zstd")
 
 
 def step_path(rollouts_dir: str | Path, step: int) -> Path:
