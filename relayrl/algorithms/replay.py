@@ -42,6 +42,8 @@ from relayrl.utils.timer import Timer
 
 #: Metrics that measure time, not training: never compared.
 _TIMED = ("valid_tokens_per_sec",)
+#: Byte accounting of where data moved: a legacy-trainer run (replayed on the data-plane trainer) moved it elsewhere.
+_BYTES = ("driver_bytes", "store_bytes_written", "driver_fraction_of_store_bytes", "driver_meta_bytes")
 
 
 @dataclass
@@ -50,6 +52,7 @@ class ReplayReport:
     metrics_path: Path
     compared: int  # metric values compared against the run's
     mismatches: list[tuple[int, str, float, float]]  # (step, metric, recorded, replayed)
+    legacy: bool = False  # the run used the legacy trainer: its byte counters were not compared
 
 
 def replay_config(run_dir: Path, overrides: Sequence[str], out: Path) -> MasterConfig:
@@ -250,17 +253,18 @@ def replay_run(
             env.shutdown()
         for lock in c.run_locks or ():
             lock.release()
-    return _compare(run_dir, out, steps)
+    legacy = any(table_info(t).get("trainer") == "legacy" for t in tables)
+    return _compare(run_dir, out, steps, skip=_TIMED + (_BYTES if legacy else ()), legacy=legacy)
 
 
-def _compare(run_dir: Path, out: Path, steps: list[int]) -> ReplayReport:
+def _compare(run_dir: Path, out: Path, steps: list[int], skip: tuple[str, ...], legacy: bool) -> ReplayReport:
     recorded, replayed = _recorded_metrics(run_dir), _recorded_metrics(out)
     compared, mismatches = 0, []
     for step in steps:
         for name, value in replayed.get(step, {}).items():
-            if not name.startswith("train/") or name.endswith(_TIMED) or name not in recorded.get(step, {}):
+            if not name.startswith("train/") or name.endswith(skip) or name not in recorded.get(step, {}):
                 continue
             compared += 1
             if not _same(recorded[step][name], value):
                 mismatches.append((step, name, recorded[step][name], value))
-    return ReplayReport(steps, out / "metrics.jsonl", compared, mismatches)
+    return ReplayReport(steps, out / "metrics.jsonl", compared, mismatches, legacy)

@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(report.mismatches)} of {report.compared} train/* values differ from the recorded run:")
     else:
         print(f"all {report.compared} train/* values equal the recorded run's")
+    if report.legacy:
+        print("(the run used the legacy trainer: replayed on the data-plane trainer, byte counters not compared)")
     for step, name, recorded, replayed in report.mismatches[:10]:
         print(f"  step {step}  {name:<40} recorded {recorded!r:<24} replayed {replayed!r}")
     return 0
