@@ -10,5 +10,6 @@ Trainers (may import everything below them: models, experience, environments, da
 config; never `relayrl.cli`): `runner` (the one outer loop and step tail), `validation`, `setup` (one set-up for
 every trainer), `protocols` (the seams a trainer calls), `trainer_common` (step pieces the trainers share), and the
 trainers themselves, each holding only its step phases: `grpo` / `grpo_sync` and `ppo` / `ppo_sync` (legacy and
-data-plane, side by side); `evaluate` and `parity` serve the CLI.
+data-plane, side by side); `recording` (the flight recorder's trainer side); `evaluate`, `parity` and `replay`
+serve the CLI.
 """

@@ -27,15 +27,16 @@ class AdvantageEstimator(Protocol):
 
 
 class GRPOAdvantageEstimator:
-    """a_i = (r_i - group baseline) [/ (group std + 1e-6) where std > 0], broadcast over the sequence.
+    """a_i = (r_i - group baseline) [/ (group std + epsilon) where std > 0], broadcast over the sequence.
 
     The sample mask is deliberately not used for the group statistics: filtered (e.g. truncated) rows still shape
     their siblings' advantages, as in the reference.
     """
 
-    def __init__(self, normalize_rewards: bool, use_leave_one_out_baseline: bool) -> None:
+    def __init__(self, normalize_rewards: bool, use_leave_one_out_baseline: bool, epsilon: float = 1e-6) -> None:
         self.normalize_rewards = normalize_rewards
         self.use_leave_one_out_baseline = use_leave_one_out_baseline
+        self.epsilon = epsilon
 
     def compute_advantage(
         self,
@@ -51,7 +52,7 @@ class GRPOAdvantageEstimator:
         adv = rewards.to(baseline.dtype) - baseline  # [B]
         if self.normalize_rewards:
             # Rows whose std is 0 keep the raw difference (0 for a uniform group; non-zero only under LOO).
-            adv = torch.where(std > 0, adv / (std + 1e-6), adv)
+            adv = torch.where(std > 0, adv / (std + self.epsilon), adv)
         return adv.unsqueeze(-1).expand(-1, mask.shape[1])  # [B, S] zero-stride view
 
 
@@ -103,6 +104,7 @@ def build_advantage_estimator(grpo_cfg: GRPOConfig, loss_cfg: ClippedPGLossConfi
         return GRPOAdvantageEstimator(
             normalize_rewards=grpo_cfg.normalize_rewards if normalize is None else normalize,
             use_leave_one_out_baseline=grpo_cfg.use_leave_one_out_baseline if loo is None else loo,
+            epsilon=grpo_cfg.normalize_rewards_epsilon,
         )
     if adv_cfg.name == "reinforce_plus_plus":
         return ReinforcePlusPlusAdvantageEstimator(

@@ -22,6 +22,8 @@ from relayrl.algorithms.advantages import (
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
 from relayrl.algorithms.protocols import BatchLoader, Generation, Policy, Tokenizer
+from relayrl.algorithms.recording import TIMER as RECORD_TIMER
+from relayrl.algorithms.recording import StepRecorder, record_legacy_step, recorded_fields
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -113,6 +115,7 @@ class GRPOSteps:
         self.pad_id = tokenizer.pad_token_id
         self.flag_to_adv = message_level_advantages(cfg)  # grpo.* or reward_penalties.* keys
         self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
+        self.recorder = StepRecorder(cfg, logger.run_dir, "legacy")
         # dynamic sampling collects groups across generation batches until a step's worth survives
         self.batch_cache: BatchedDataDict | None = None
         self.num_gen_batches = 0
@@ -133,6 +136,7 @@ class GRPOSteps:
             repeated["prompt_ids"] = prompt_flat["token_ids"]  # [B, P]
         self.kv_sync.before_first_refit(repeated)
         repeated, rollout_metrics = self._generate(repeated)
+        repeated["env_reward"] = repeated["total_reward"]  # [B] before shaping: the flight recorder's reward_env
         self._guard_rewards(repeated, step)
         with timer.time("reward_calculation"):
             rewards, baseline, std = self._rewards(repeated)
@@ -170,6 +174,19 @@ class GRPOSteps:
             guard_update(train_results, step)
             self.policy.finish_training()
         self.kv_sync.after_training(lambda: train_data.select_keys(["input_ids", "input_lengths"]))
+        if self.recorder.due(step):
+            with timer.time(RECORD_TIMER):
+                fields = recorded_fields(self.skip_prev, self.skip_ref)
+                record_legacy_step(
+                    self.recorder,
+                    step,
+                    train_batch,
+                    train_data,
+                    fields,
+                    rewards,
+                    rollout_metrics,
+                    g.num_generations_per_prompt,
+                )
         metrics = step_metrics(
             train_results=train_results,
             reward_for_log=reward_for_log,

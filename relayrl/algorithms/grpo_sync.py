@@ -28,6 +28,8 @@ from relayrl.algorithms.advantages import (
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
 from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
+from relayrl.algorithms.recording import TIMER as RECORD_TIMER
+from relayrl.algorithms.recording import StepRecorder
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -121,6 +123,7 @@ class GRPOSyncSteps:
             _CARRY, cfg.grpo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
         )
         self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
+        self.recorder = StepRecorder(cfg, logger.run_dir, "data_plane")
         # dynamic sampling collects groups (their keys stay in the store) across generation batches
         self.pending_meta: KVBatchMeta | None = None
         self.pending_carry: BatchedDataDict | None = None
@@ -177,6 +180,13 @@ class GRPOSyncSteps:
         self.kv_sync.after_training(
             lambda: self.policy.read_from_dataplane(meta, select_fields=["input_ids", "input_lengths"])
         )
+        if self.recorder.due(step):  # the actor joins its rows with the store's columns: nothing bulk crosses here
+            with timer.time(RECORD_TIMER):
+                cols = self.recorder.driver_columns(step, rewards, carry["baseline"], carry["std"])
+                request = self.recorder.request(
+                    step, self.train_fields, cols, self.recorder.info(step, rollout_metrics)
+                )
+                self.actor.record_step(meta, request)
         self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
         metrics = step_metrics(
             train_results=train_results,

@@ -40,6 +40,8 @@ from relayrl.algorithms.protocols import (
     RolloutActor,
     Tokenizer,
 )
+from relayrl.algorithms.recording import TIMER as RECORD_TIMER
+from relayrl.algorithms.recording import StepRecorder
 from relayrl.algorithms.reward_functions import post_process_rewards
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
@@ -132,6 +134,7 @@ class PPOSyncSteps:
             _CARRY, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
         )
         self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
+        self.recorder = StepRecorder(cfg, logger.run_dir, "data_plane")
 
     def close(self) -> None:
         self.actor.shutdown()
@@ -182,6 +185,13 @@ class PPOSyncSteps:
         self.kv_sync.after_training(
             lambda: policy.read_from_dataplane(meta, select_fields=["input_ids", "input_lengths"])
         )
+        if self.recorder.due(step):  # the actor joins its rows with the store's columns (values and returns too)
+            with timer.time(RECORD_TIMER):
+                fields = [*self.train_fields, "values", "returns"]
+                info = self.recorder.info(step, rollout_metrics)
+                self.actor.record_step(
+                    meta, self.recorder.request(step, fields, self.recorder.driver_columns(step, rewards), info)
+                )
         value.finish_step(meta)  # clears every key of the step; a leftover key is an error
         dp_metrics = _step_bytes(policy, value, self.actor, carry_bytes)
         metrics.update(

@@ -18,6 +18,7 @@ from relayrl.algorithms.interfaces import LossFunction
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface
+from relayrl.experience.flight_recorder import RecordRequest
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from relayrl.utils.timer import Timer
 
@@ -185,6 +186,7 @@ class RolloutActor(Protocol):
         wire: bool = ...,
         text_rows: int | None = ...,
     ) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], dict[str, float]]: ...
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest) -> str: ...
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]: ...
     def shutdown(self) -> bool: ...
 

@@ -13,6 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from relayrl.cli import diff as diff_cli
+from relayrl.cli import inspect_run as inspect_cli
+from relayrl.cli import replay as replay_cli
 from relayrl.config import MasterConfig
 from relayrl.utils.config_io import ConfigError, classify_resume_changes, load_config
 
@@ -56,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
+    for command in (replay_cli, diff_cli, inspect_cli):  # each module adds its parser and its handler
+        command.add_parser(sub)
     return p
 
 
@@ -64,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # second of work into several (must be set before torch is imported).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = _parser().parse_args(argv)
+    if hasattr(args, "handler"):
+        return int(args.handler(args))
     if args.command == "train":
         return _train(args)
     if args.command == "evaluate":

@@ -119,6 +119,19 @@ class MlflowConfig(Strict):
     """MLflow tracking server or store; None: a file store at `<run_dir>/mlflow`."""
 
 
+class FlightRecorderConfig(Strict):
+    """`logger.flight_recorder`: every recorded step's rollout columns as one Parquet file in `RUN_DIR/rollouts/`,
+    what `relayrl replay`, `relayrl diff` and `relayrl inspect` read."""
+
+    enabled: bool = True
+    """Write `rollouts/step_NNNNNN.parquet` (sample keys, token ids, masks, log-probs, rewards, advantages, text);
+    written by whoever holds the rows (the rollout actor on the data plane), never changing a training metric."""
+    every_n_steps: PositiveInt = 1
+    """Record steps whose number is a multiple of this (1: every step; replay needs every step it replays)."""
+    keep_last: PositiveInt = 100
+    """Keep only the newest this many step files (older ones are deleted as new ones are written): bounds disk use."""
+
+
 class LoggerConfig(Strict):
     """Where metrics go besides `<run_dir>/metrics.jsonl`, which is always written."""
 
@@ -141,6 +154,8 @@ class LoggerConfig(Strict):
     num_val_samples_to_print: NonNegInt = 0
     """How many validation conversations to print to the console (as one line each, with their reward) after each
     validation; all of them go to `<run_dir>/val_data_step<N>.jsonl` regardless."""
+    flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
+    """Per-step rollout recording for replay, diff and inspect (see FlightRecorderConfig)."""
 
 
 class CheckpointingConfig(Strict):

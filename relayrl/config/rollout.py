@@ -137,8 +137,11 @@ class GRPOConfig(RolloutConfig):
     """GRPO: the shared rollout settings plus group-relative advantages, their clipping and dynamic sampling."""
 
     normalize_rewards: bool = True
-    """Divide each advantage by its group's reward std (+1e-6) where that std is > 0; the default for
-    adv_estimator.normalize_rewards."""
+    """Divide each advantage by its group's reward std (+ normalize_rewards_epsilon) where that std is > 0; the
+    default for adv_estimator.normalize_rewards."""
+    normalize_rewards_epsilon: PositiveFloat = 1e-6
+    """Added to the group's reward std when advantages are normalized, a = (r - mean) / (std + epsilon); TRL's GRPO
+    uses 1e-4 (docs/trl_mapping.md)."""
     use_leave_one_out_baseline: bool = False
     """RLOO: baseline and std of each row from the other rows of its group. The default for
     adv_estimator.use_leave_one_out_baseline; also sets the std dynamic sampling filters on and the logged baseline."""

@@ -11,7 +11,8 @@ What lives here (one copy of each mechanism):
   a direct call); `remote` the Ray transport both Ray-hosted backends share (the `LedgerHost` actor body and
   `RemoteClient`); `ray_store` the `ray` backend (a `ColumnarStore` in a named actor); `tq_adapter` the
   `transfer_queue` backend (bulk data in TransferQueue, bookkeeping in a hosted `Ledger`).
-- `metrics` the `data_plane/*` counters wrapper; `factory` config -> client; `column_io`, `preshard`, `worker`
+- `recorder` the flight recorder's Parquet files (one step's columns, `RUN_DIR/rollouts/step_NNNNNN.parquet`);
+  `metrics` the `data_plane/*` counters wrapper; `factory` config -> client; `column_io`, `preshard`, `worker`
   the helpers trainers and workers use.
 
 Imports: this package may import only `relayrl.distributed`, `relayrl.utils`, `relayrl.config` and itself, never

@@ -130,6 +130,10 @@ class RayRolloutActor:
             kwargs["task_to_env_override_names"] = list(override)
         return self._get(self._actor.rollout.remote(input_batch, kwargs), "rollout")
 
+    def record_step(self, meta: Any, request: Any) -> str:
+        """`SyncRolloutActor.record_step` in the actor: the rows it holds and its store reads never reach the driver."""
+        return self._get(self._actor.record_step.remote(meta, request), "record_step")
+
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
         return self._get(self._actor.data_plane_metrics.remote(reset), "data_plane_metrics")
 

@@ -35,11 +35,13 @@ from relayrl.data_plane.schema import (
     ROLLOUT_METRICS,
     SAMPLE_MASK,
     TOKEN_MASK,
+    VAL_PARTITION,
     sample_key,
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
 from relayrl.experience.carry_wire import compact_tensor, encode_carry
+from relayrl.experience.flight_recorder import RecordRequest, RolloutStash, record_from_store, rollout_rows
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
@@ -124,6 +126,8 @@ class SyncRolloutActor:
         self.task_to_env = task_to_env
         self.master_config = master_config
         self.client: DataPlaneClient = build_data_plane_client(dp_cfg, bootstrap=False)
+        # the flight recorder's per-sample text and rewards, by key, until the step's file is written
+        self.flight = RolloutStash() if master_config.logger.flight_recorder.enabled else None
 
     def rollout_to_tq(
         self,
@@ -196,6 +200,11 @@ class SyncRolloutActor:
             pad_to_multiple=cfg.policy.make_sequence_length_divisible_by,
         )
 
+        if self.flight is not None and partition_id != VAL_PARTITION:
+            if first_iter:
+                self.flight.clear()
+            group = prompt_group_ids(prompt_ids, prompt_lengths)  # [B]
+            self.flight.add(keys, _flight_rows(final, prompt_lengths, group))
         if finish_generation:
             gen.finish_generation()
         get_metrics = getattr(gen, "get_logger_metrics", None)
@@ -255,6 +264,12 @@ class SyncRolloutActor:
         return BatchedDataDict({k: builders[k]() for k in wanted})
 
     # ------------------------------------------------------------------ observability and lifecycle
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest) -> str:
+        """Write the flight recorder file of a step whose keys are still in the store; returns its path."""
+        if self.flight is None:
+            raise RuntimeError("record_step: logger.flight_recorder.enabled is false for this run")
+        return record_from_store(self.client, self.flight, meta, request)
+
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
         """This actor's client counters (its puts are the bulk of what a step writes to the store)."""
         return self.client.metrics(reset)
@@ -269,6 +284,19 @@ class SyncRolloutActor:
 
 
 # ---------------------------------------------------------------------------------------------------- carry helpers
+def _flight_rows(final: BatchedDataDict, prompt_lengths: torch.Tensor, group: torch.Tensor) -> dict[str, list[Any]]:
+    return rollout_rows(
+        final["message_log"],
+        final["total_reward"],
+        final["loss_multiplier"],
+        final["truncated"],
+        final["length"] if "length" in final else prompt_lengths,
+        group,
+        final.get("task_name"),
+        final.get("extra_env_info"),
+    )
+
+
 def prompt_group_ids(prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
     """[B] int64 ids equal exactly when two rows have the same prompt tokens (a 64-bit BLAKE2 digest of them).
 

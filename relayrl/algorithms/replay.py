@@ -1,0 +1,274 @@
+"""`relayrl replay`: train again on recorded rollouts, without generating.
+
+The policy is rebuilt at step N − 1 (the run's `step_{N-1}` checkpoint; for N = 1 the run's initial weights, which
+its seed makes exact), then each recorded step goes through the data-plane GRPO trainer's own phases
+(`GRPOSyncSteps.step`: rewards, log-probs, advantages, loss, update) with `RecordedRollouts` standing in for the
+rollout actor: it writes the recorded rows into the store under their recorded keys and returns the carry the
+actor returned. Nothing about the step is re-implemented, so on CPU the replayed `train/*` metrics equal the
+recorded ones, and an override (a loss setting, say) shows its effect on exactly the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl.algorithms.grpo_sync import GRPOSyncSteps
+from relayrl.algorithms.setup import setup
+from relayrl.algorithms.trainer_common import KvScaleSync
+from relayrl.config import MasterConfig
+from relayrl.data_plane.column_io import first_write
+from relayrl.data_plane.factory import build_data_plane_client
+from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
+from relayrl.data_plane.recorder import ROLLOUTS_DIR, read_step, recorded_steps, table_column, table_info
+from relayrl.data_plane.schema import (
+    GENERATION_LOGPROBS,
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    ROLLOUT_METRICS,
+    SAMPLE_MASK,
+    TOKEN_MASK,
+)
+from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.experience.carry_wire import encode_carry
+from relayrl.experience.flight_recorder import RecordRequest
+from relayrl.utils.config_io import load_config
+from relayrl.utils.timer import Timer
+
+#: Metrics that measure time, not training: never compared.
+_TIMED = ("valid_tokens_per_sec",)
+#: Byte accounting of where data moved: a legacy-trainer run (replayed on the data-plane trainer) moved it elsewhere.
+_BYTES = ("driver_bytes", "store_bytes_written", "driver_fraction_of_store_bytes", "driver_meta_bytes")
+
+
+@dataclass
+class ReplayReport:
+    steps: list[int]
+    metrics_path: Path
+    compared: int  # metric values compared against the run's
+    mismatches: list[tuple[int, str, float, float]]  # (step, metric, recorded, replayed)
+    legacy: bool = False  # the run used the legacy trainer: its byte counters were not compared
+
+
+def replay_config(run_dir: Path, overrides: Sequence[str], out: Path) -> MasterConfig:
+    """The run's own config plus `overrides`, on the data-plane trainer, without recording or TensorBoard."""
+    cfg = load_config(run_dir / "config.yaml", list(overrides))
+    if cfg.algorithm != "grpo":
+        raise ValueError(f"relayrl replay supports GRPO runs; {run_dir} is a {cfg.algorithm} run")
+    if cfg.grpo.use_dynamic_sampling:
+        raise ValueError("relayrl replay cannot replay dynamic sampling (grpo.use_dynamic_sampling=true)")
+    update = {
+        "data_plane": cfg.data_plane.model_copy(update={"enabled": True}),  # the legacy trainer's numbers are equal
+        "checkpointing": cfg.checkpointing.model_copy(update={"checkpoint_dir": str(out / "checkpoints")}),
+        "logger": cfg.logger.model_copy(
+            update={
+                "tensorboard_enabled": False,
+                "wandb_enabled": False,
+                "mlflow_enabled": False,
+                "flight_recorder": cfg.logger.flight_recorder.model_copy(update={"enabled": False}),
+            }
+        ),
+    }
+    return cfg.model_copy(update=update)
+
+
+def source_checkpoint(run_dir: Path, cfg: MasterConfig, step: int) -> Path | None:
+    """`step_{step}` of the run (None for step 0: the initial weights); ValueError naming the fix when missing."""
+    if step == 0:
+        return None
+    root = Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+    path = root / f"step_{step}"
+    if not path.is_dir():
+        have = sorted(int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit())
+        raise ValueError(
+            f"replay from step {step + 1} needs the checkpoint step_{step} in {root} (it has "
+            f"{', '.join(f'step_{s}' for s in have) or 'none'}); replay from a step right after a saved one, or train "
+            "with checkpointing.save_period=1 checkpointing.keep_top_k=null to be able to replay any step"
+        )
+    return path
+
+
+class RecordedRollouts:
+    """The rollout actor for a replay: each `rollout_to_tq` writes the next recorded step's rows into the store
+    (the columns the actor wrote, under the same keys) and returns the carry the actor returned."""
+
+    def __init__(self, tables: list[Any], generation: Any, cfg: MasterConfig) -> None:
+        self.tables, self.generation, self.cfg = list(tables), generation, cfg
+        self.client: DataPlaneClient = build_data_plane_client(cfg.data_plane, bootstrap=False)
+
+    def rollout_to_tq(
+        self,
+        input_batch: BatchedDataDict,
+        *,
+        partition_id: str,
+        group_size: int = 1,
+        first_iter: bool = True,
+        finish_generation: bool = True,
+        carry_keys: Sequence[str] | None = None,
+        wire: bool = False,
+        text_rows: int | None = None,
+        **_: Any,
+    ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
+        table = self.tables.pop(0)
+        keys = table.column("sample_key").to_pylist()
+        rollout_metrics = dict(table_info(table).get("rollout_metrics", {}))
+        lengths = table_column(table, INPUT_LENGTHS).values  # [B]
+        token_mask = table_column(table, TOKEN_MASK)
+        loss_multiplier = torch.tensor(table.column("loss_multiplier").to_pylist(), dtype=torch.float32)  # [B]
+        bulk = {
+            INPUT_IDS: table_column(table, INPUT_IDS),
+            INPUT_LENGTHS: lengths,
+            GENERATION_LOGPROBS: table_column(table, GENERATION_LOGPROBS),
+            TOKEN_MASK: token_mask,
+            SAMPLE_MASK: loss_multiplier,
+        }
+        meta = first_write(
+            bulk,
+            keys=keys,
+            client=self.client,
+            partition_id=partition_id,
+            extra_info={ROLLOUT_METRICS: rollout_metrics},
+            task_name=partition_id,
+            pad_to_multiple=self.cfg.policy.make_sequence_length_divisible_by,
+        )
+        if finish_generation:
+            self.generation.finish_generation()
+        assert token_mask.lengths is not None  # per-token: recorded jagged
+        counts = torch.stack([row.sum() for row in token_mask.values.split(token_mask.lengths.tolist())])  # [B]
+        carry = self._carry(table, loss_multiplier, counts, carry_keys, text_rows)
+        return meta, encode_carry(carry, group_size) if wire else carry, rollout_metrics, {}
+
+    @staticmethod
+    def _carry(
+        table: Any,
+        loss_multiplier: torch.Tensor,
+        loss_token_counts: torch.Tensor,
+        carry_keys: Sequence[str] | None,
+        text_rows: int | None,
+    ) -> BatchedDataDict:
+        def col(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(table.column(name).to_pylist(), dtype=dtype)  # [B]
+
+        prompts, completions = table.column("prompt").to_pylist(), table.column("completion").to_pylist()
+        n = len(prompts)
+        shown = n if text_rows is None else min(text_rows, n)
+        builders = {
+            "total_reward": lambda: col("reward_env", torch.float32),
+            "loss_multiplier": lambda: loss_multiplier,
+            "truncated": lambda: col("truncated", torch.bool),
+            "length": lambda: col("prompt_length", torch.long),
+            "prompt_group": lambda: col("prompt_group", torch.long),
+            "loss_token_counts": lambda: loss_token_counts.long(),
+            "response_token_lengths": lambda: col("response_token_length", torch.long),
+            "sample_text": lambda: [(prompts[i], completions[i]) if i < shown else None for i in range(n)],
+        }
+        wanted = list(carry_keys or ["total_reward", "loss_multiplier", "truncated", "length", "prompt_group"])
+        unknown = [k for k in wanted if k not in builders]
+        if unknown:
+            raise KeyError(f"replay cannot rebuild carry values {unknown} from a flight recording")
+        return BatchedDataDict({k: builders[k]() for k in wanted})
+
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest) -> str:
+        raise RuntimeError("a replay does not record (its config turns the flight recorder off)")
+
+    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
+        return self.client.metrics(reset)
+
+    def shutdown(self) -> bool:
+        self.client.close()
+        return True
+
+
+def _recorded_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(int(row.pop("step")), {}).update(row)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def replay_run(
+    run_dir: Path, from_step: int, to_step: int | None, out: Path, overrides: Sequence[str] = ()
+) -> ReplayReport:
+    """Replay steps `from_step..to_step` of `run_dir` into `out`; returns what was compared with the run."""
+    last = from_step if to_step is None else to_step
+    if from_step < 1 or last < from_step:
+        raise ValueError(f"--from-step must be >= 1 and --to-step >= --from-step (got {from_step}..{last})")
+    cfg = replay_config(run_dir, overrides, out)
+    run_cfg = load_config(run_dir / "config.yaml")
+    rollouts = run_dir / ROLLOUTS_DIR
+    have = set(recorded_steps(rollouts))
+    steps = list(range(from_step, last + 1))
+    missing = [s for s in steps if s not in have]
+    if missing:
+        read_step(rollouts, missing[0])  # raises naming what is recorded
+    source = source_checkpoint(run_dir, run_cfg, from_step - 1)
+    tables = [read_step(rollouts, s) for s in steps]
+    rows = cfg.grpo.rows_per_step
+    if any(t.num_rows != rows for t in tables):
+        raise ValueError(f"the recorded steps hold {tables[0].num_rows} rows but this config trains on {rows} per step")
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if source is not None:
+        link = out / "checkpoints" / source.name
+        if not link.exists():
+            link.symlink_to(source.resolve(), target_is_directory=True)
+    c = setup(cfg, out)
+    try:
+        actor = RecordedRollouts(tables, c.policy_generation, cfg)
+        timer = Timer()
+
+        def no_validation(step: int) -> tuple[dict[str, float], dict[str, float]]:
+            return {}, {}
+
+        kv_sync = KvScaleSync(c.policy, c.policy_generation, timer, c.tokenizer.pad_token_id, None)  # no generation
+        trainer = GRPOSyncSteps(
+            c.policy, c.policy_generation, actor, c.loss_fn, c.logger, cfg, timer, no_validation, kv_sync
+        )
+        try:
+            for step in steps:
+                timer.start("total_step_time")
+                result = trainer.step(BatchedDataDict(), step)
+                timer.stop("total_step_time")
+                assert result is not None  # no dynamic sampling: every batch completes a step
+                c.logger.log_metrics(result.metrics, step, prefix="train")
+                c.logger.log_metrics(timer.get_timing_metrics("sum"), step, prefix="timing/train")
+                timer.reset()
+        finally:
+            trainer.close()
+    finally:
+        c.logger.close()
+        c.policy_generation.shutdown()
+        c.policy.shutdown()
+        for env in c.task_to_env.values():
+            env.shutdown()
+        for lock in c.run_locks or ():
+            lock.release()
+    legacy = any(table_info(t).get("trainer") == "legacy" for t in tables)
+    return _compare(run_dir, out, steps, skip=_TIMED + (_BYTES if legacy else ()), legacy=legacy)
+
+
+def _compare(run_dir: Path, out: Path, steps: list[int], skip: tuple[str, ...], legacy: bool) -> ReplayReport:
+    recorded, replayed = _recorded_metrics(run_dir), _recorded_metrics(out)
+    compared, mismatches = 0, []
+    for step in steps:
+        for name, value in replayed.get(step, {}).items():
+            if not name.startswith("train/") or name.endswith(skip) or name not in recorded.get(step, {}):
+                continue
+            compared += 1
+            if not _same(recorded[step][name], value):
+                mismatches.append((step, name, recorded[step][name], value))
+    return ReplayReport(steps, out / "metrics.jsonl", compared, mismatches, legacy)

@@ -1,0 +1,114 @@
+"""The rollout side of the flight recorder: the per-sample values only a finished rollout has (text, environment
+reward and metadata, truncation, prompt group), kept by sample key until the step's file is written.
+
+On the data plane the rollout actor holds these (they never cross the driver); at the end of a recorded step it
+joins them with the step's columns read from the store and writes the file (`relayrl.data_plane.recorder`). The
+legacy trainer, which holds its whole batch, builds the same rows from its message logs (`rollout_rows`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
+from relayrl.data_plane.recorder import RecordValue, read_store_columns, warm_up, write_step
+from relayrl.environments.interfaces import MessageLog
+
+#: Per-sample values a rollout knows, in file column order.
+ROW_COLUMNS: tuple[str, ...] = (
+    "prompt_group",
+    "task_name",
+    "prompt",
+    "completion",
+    "reward_env",
+    "loss_multiplier",
+    "truncated",
+    "prompt_length",
+    "response_token_length",
+    "env_metadata",
+)
+
+
+@dataclasses.dataclass
+class RecordRequest:
+    """What the trainer asks the row holder to record for a step (picklable: it crosses to a Ray actor).
+
+    `fields` are read from the store; `driver_columns` are per-row values the driver computed (post-processed
+    rewards, baseline, std); `info` is step-level (rollout metrics, weight version, trainer)."""
+
+    step: int
+    rollouts_dir: str
+    keep_last: int
+    fields: list[str]
+    driver_columns: dict[str, Any]
+    info: dict[str, Any]
+
+
+def _text(msgs: MessageLog, roles: tuple[str, ...]) -> str:
+    return "".join(m["content"] for m in msgs if m["role"] in roles)
+
+
+def rollout_rows(
+    message_logs: Sequence[MessageLog],
+    env_reward: torch.Tensor,
+    loss_multiplier: torch.Tensor,
+    truncated: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    prompt_group: torch.Tensor,
+    task_names: Sequence[str] | None,
+    env_metadata: Sequence[Any] | None,
+) -> dict[str, list[Any]]:
+    """The `ROW_COLUMNS` of a finished rollout: one list entry per row ([B] tensors in, Python values out)."""
+    n = len(message_logs)
+    meta = list(env_metadata) if env_metadata is not None else [None] * n
+    return {
+        "prompt_group": prompt_group.tolist(),
+        "task_name": list(task_names) if task_names is not None else [""] * n,
+        "prompt": [_text(m, ("system", "user")) for m in message_logs],
+        "completion": [_text(m, ("assistant",)) for m in message_logs],
+        "reward_env": env_reward.float().tolist(),
+        "loss_multiplier": loss_multiplier.float().tolist(),
+        "truncated": truncated.bool().tolist(),
+        "prompt_length": prompt_lengths.long().tolist(),
+        "response_token_length": [
+            next((len(m["token_ids"]) for m in msgs if m["role"] == "assistant"), 0) for msgs in message_logs
+        ],
+        "env_metadata": [json.dumps(x, default=str, sort_keys=True) for x in meta],
+    }
+
+
+class RolloutStash:
+    """`ROW_COLUMNS` by sample key for the current training step (reset when a new step's first rollout starts)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[Any, ...]] = {}
+        warm_up()
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+    def add(self, keys: Sequence[str], columns: dict[str, list[Any]]) -> None:
+        for i, key in enumerate(keys):
+            self.rows[key] = tuple(columns[name][i] for name in ROW_COLUMNS)
+
+    def take(self, keys: Sequence[str]) -> dict[str, list[Any]]:
+        missing = [k for k in keys if k not in self.rows]
+        if missing:
+            raise KeyError(f"flight recorder: no rollout rows for {len(missing)} key(s), e.g. {missing[:3]}")
+        rows = [self.rows[k] for k in keys]
+        return {name: [r[j] for r in rows] for j, name in enumerate(ROW_COLUMNS)}
+
+
+def record_from_store(client: DataPlaneClient, stash: RolloutStash, meta: KVBatchMeta, request: RecordRequest) -> str:
+    """Join the stashed rows of `meta`'s keys with their store columns and the driver's, and write the step file."""
+    columns: dict[str, RecordValue] = {"sample_key": list(meta.keys), **stash.take(meta.keys)}
+    columns.update(read_store_columns(client, meta, request.fields))
+    columns.update(request.driver_columns)
+    path = write_step(request.rollouts_dir, request.step, columns, request.info, request.keep_last)
+    stash.clear()
+    return str(path)
