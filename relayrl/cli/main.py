@@ -1,4 +1,4 @@
-"""`relayrl` command line: train, evaluate, plot.
+"""`relayrl` command line: train, evaluate, plot, export.
 
 Bad input (config keys and values, missing paths, unusable datasets) ends with one line on stderr and exit code 2,
 never a traceback; heavy imports happen only after the arguments and the config are known to be good.
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from relayrl.cli import export
 from relayrl.config import MasterConfig
 from relayrl.utils.config_io import ConfigError, classify_resume_changes, load_config
 
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
+    export.add_parser(sub)
     return p
 
 
@@ -70,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _evaluate(args)
     if args.command == "parity":
         return _parity(args)
+    if args.command == "export":
+        return export.run(args)
     return _plot(args)
 
 
