@@ -147,6 +147,10 @@ def _check_resume(recorded: MasterConfig, cfg: MasterConfig, run_dir: Path, allo
             f"{key} cannot change when resuming ({old!r} -> {new!r}): the checkpoint's optimizer and scheduler "
             "state would overwrite it; resume without the change or start a new run directory"
         )
+    for key, old, new in inexact:
+        if key == "policy.lora.enabled":  # adapters vs full weights: no flag makes that checkpoint loadable
+            held = "LoRA adapters" if old else "full weights"
+            return f"{key} cannot change when resuming ({old!r} -> {new!r}): {run_dir}'s checkpoints hold {held}"
     if inexact and not allow_inexact:
         key, old, new = inexact[0]
         more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""

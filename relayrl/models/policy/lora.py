@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ def add_adapters(model: nn.Module, cfg: PolicyConfig) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question (is_gradient_checkpointing)
+            warnings.simplefilter("ignore", FutureWarning)
+            return get_peft_model(model, peft_cfg)
     except ValueError as exc:  # e.g. target modules not found in the model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"policy.lora.target_modules {lora.target_modules!r}: {first}") from None
