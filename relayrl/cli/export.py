@@ -184,10 +184,8 @@ def _generation_config(cfg: Any, tokenizer: Any) -> Any:
 
 def push_to_hub(out: Path, repo: str) -> str:
     """Upload `out` to the Hub repo `repo` (created if missing); returns its URL. ExportError when offline."""
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi
 
-    if constants.HF_HUB_OFFLINE:
-        raise ExportError(f"cannot push to {repo}: Hugging Face Hub is offline (HF_HUB_OFFLINE=1); {out} is written")
     api = HfApi()
     try:
         api.create_repo(repo, exist_ok=True)
@@ -198,9 +196,26 @@ def push_to_hub(out: Path, repo: str) -> str:
     return f"https://huggingface.co/{repo}"
 
 
+def hub_offline() -> bool:
+    """Whether huggingface_hub is in offline mode (HF_HUB_OFFLINE=1): nothing can be pushed."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
 def run(args: argparse.Namespace) -> int:
-    """The `export` command: exit 0, or 2 with one line on stderr."""
+    """The `export` command: exit 0; 2 with one line on stderr for bad input; 1 when the upload fails."""
     out = Path(args.out)
+    if args.push_to_hub and hub_offline():
+        print(
+            f"relayrl: error: cannot push to {args.push_to_hub}: the Hugging Face Hub is offline "
+            "(HF_HUB_OFFLINE=1); unset it, or export without --push-to-hub",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per outcome, no loading bars
     try:
         checkpoint = export_checkpoint(Path(args.run_dir), out, step=args.step, adapters=args.adapters)
     except (ExportError, FileNotFoundError, ValueError) as exc:
