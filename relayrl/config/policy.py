@@ -171,6 +171,8 @@ class LoraConfig(Strict):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names (or name suffixes, e.g. [q_proj, v_proj]) that get adapters; `all-linear`: every linear layer of
     the decoder except the output head."""
+    init_seed: NonNegInt = 0
+    """Seed of the adapters' random start (lora_A; lora_B starts at zero), the same on every executor and rank."""
 
 
 class PolicyConfig(BatchingModes):

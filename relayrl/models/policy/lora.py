@@ -70,8 +70,11 @@ def add_adapters(model: nn.Module, cfg: PolicyConfig) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        with warnings.catch_warnings():  # peft asks transformers a deprecated question (is_gradient_checkpointing)
-            warnings.simplefilter("ignore", FutureWarning)
+        # lora_A's random start from its own seed, not the process's RNG: every executor and rank (a Ray actor's RNG
+        # is not the driver's) starts from the same adapters, and the run's other random streams are left untouched
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers a deprecated question
+            torch.manual_seed(lora.init_seed)
             return get_peft_model(model, peft_cfg)
     except ValueError as exc:  # e.g. target modules not found in the model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
