@@ -1,6 +1,7 @@
 """LoRA on both executors: the same 3-step LoRA GRPO run in-process (1 worker, colocated engine on the merged view)
-and on Ray (2 policy ranks, one actor each, generation workers refitted with the merged weights over ZMQ IPC) logs
-the same per-step metrics up to float rounding of the 2-rank gradient sum; checkpoints hold adapters alone."""
+and on Ray (2 policy ranks, one actor each, generation workers refitted with the merged weights over ZMQ IPC; the
+gradients summed by the manual all-reduce or by DDP) logs the same per-step metrics up to float rounding of the
+2-rank gradient sum; checkpoints hold adapters alone."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ TOL = 1e-4
 COMPARED = ("train/reward", "train/loss", "train/kl_penalty", "train/grad_norm", "validation/accuracy")
 
 
-def _overrides(executor: str, workers: int) -> list[str]:
+def _overrides(executor: str, workers: int, strategy: str = "manual") -> list[str]:
     return [
+        f"policy.data_parallel.strategy={strategy}",
         "policy.lora.enabled=true",
         "policy.lora.rank=4",
         "policy.train_global_batch_size=16",
@@ -58,15 +60,22 @@ def _per_step(run_dir: Path) -> dict[int, dict[str, Any]]:
     return by_step
 
 
-def test_lora_on_ray_matches_the_local_executor(ray_cluster: None, tmp_path: Path) -> None:
-    local, on_ray = tmp_path / "local", tmp_path / "ray"
-    run_training(load_config(None, _overrides("local", 1)), local)
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("lora_local") / "run"
+    run_training(load_config(None, _overrides("local", 1)), run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("strategy", ["manual", "ddp"])
+def test_lora_on_ray_matches_the_local_executor(ray_cluster: None, local_run: Path, tmp_path: Path, strategy) -> None:
+    on_ray = tmp_path / "ray"
     os.environ["RELAYRL_REFIT_IPC_DIR"] = str(tmp_path)  # ZMQ IPC sockets private to this test
     try:
-        run_training(load_config(None, _overrides("ray", 2)), on_ray)
+        run_training(load_config(None, _overrides("ray", 2, strategy)), on_ray)
     finally:
         os.environ.pop("RELAYRL_REFIT_IPC_DIR", None)
-    one, two = _per_step(local), _per_step(on_ray)
+    one, two = _per_step(local_run), _per_step(on_ray)
     assert sorted(s for s, m in one.items() if "train/loss" in m) == [1, 2, 3]
     for step, metrics in one.items():
         for key in COMPARED:
@@ -75,6 +84,6 @@ def test_lora_on_ray_matches_the_local_executor(ray_cluster: None, tmp_path: Pat
                 assert math.isfinite(a) and abs(a - b) <= TOL, f"step {step} {key}: local {a} vs Ray {b}"
     assert any(float(one[s]["train/kl_penalty"]) > 0 for s in (2, 3))  # the adapters moved the policy
     assert all(float(two[s]["refit/total_count"]) >= 1 for s in (2, 3))  # generation workers were refitted
-    for run in (local, on_ray):
+    for run in (local_run, on_ray):
         weights = run / "checkpoints" / "step_3" / "policy" / "weights"
         assert sorted(p.name for p in weights.iterdir()) == [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
