@@ -5,7 +5,8 @@ frozen copy for the reference policy) and small checkpoints (adapters and their 
 runs in its own process (`--child`), so peak RSS (`ru_maxrss`) is that mode's alone; it is reported as is and above
 the process's RSS once torch, transformers and peft are imported (the fixed cost both modes pay). The model-state
 bytes are counted from the live tensors after training: weights, Adam moments, the reference copy, and the
-weights the colocated generation engine reads when they are not the policy's own (LoRA: a merged plain copy);
+weights the colocated generation engine reads when they are not the policy's own (LoRA: the merged weights of the
+adapted projections; its other tensors are the policy's);
 gradients are freed after each step and show up in the peak only. On a CUDA device (`--device cuda`) the peak of
 torch's allocator is reported too.
 
@@ -35,11 +36,14 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _tensor_mib(tensors: Any) -> float:
-    """Bytes of distinct storages among `tensors`, MiB (tied weights count once)."""
+def _tensor_mib(tensors: Any, exclude: Any = ()) -> float:
+    """Bytes of distinct storages among `tensors`, MiB (tied weights count once), leaving out the storages of
+    `exclude` (tensors shared with another module count there)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
     for t in tensors:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values()) / 2**20
 
 
@@ -106,7 +110,9 @@ def child(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             "weights": _tensor_mib(list(model.parameters()) + list(model.buffers())),
             "adam_moments": _tensor_mib(opt_state),
             "reference_copy": _tensor_mib(reference.parameters()) if reference is not None else 0.0,
-            "generation_copy": _tensor_mib(generation_copy.parameters()) if generation_copy is not None else 0.0,
+            "generation_copy": 0.0
+            if generation_copy is None
+            else _tensor_mib(generation_copy.parameters(), exclude=model.parameters()),
         }
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())

@@ -159,28 +159,44 @@ def load_adapters(peft_model: Any, path: str | Path) -> None:
 
 class MergedGenerationSource:
     """What a colocated engine reads under LoRA: a plain module (the base architecture, no adapters) holding the merged
-    weights, re-merged from the live adapters whenever the policy's `weights_version` moved since the last read."""
+    weights, re-merged from the live adapters whenever the policy's `weights_version` moved since the last read.
+
+    Only the adapted weights get storage of their own: every other parameter (embeddings, norms, biases, the head) is
+    the live module's own tensor, which LoRA never changes."""
 
     def __init__(self, worker: Any, build_plain: Callable[[], nn.Module]) -> None:
         self._worker = worker  # .model (with adapters), .weights_version, .device
         self._build_plain = build_plain
         self._plain: nn.Module | None = None
+        self._merged_names: set[str] = set()
         self._version: int | None = None
 
     @property
     def weights_version(self) -> int:
         return int(self._worker.weights_version)
 
+    def _build(self) -> nn.Module:
+        plain = self._build_plain().requires_grad_(False).eval()
+        plain.to(self._worker.device)
+        live = self._worker.model
+        self._merged_names = {f"{name}.weight" for name in _lora_layers(live)}
+        shared = {plain_name(n): p for n, p in live.named_parameters(remove_duplicate=False) if ".lora_" not in n}
+        for name, _ in list(plain.named_parameters(remove_duplicate=False)):
+            if name not in self._merged_names and name in shared:  # tied weights: every name of the tensor
+                owner, _, attr = name.rpartition(".")
+                setattr(plain.get_submodule(owner), attr, shared[name])
+        return plain
+
     @property
     def model(self) -> nn.Module:
         version = self.weights_version
         if self._plain is None:
-            self._plain = self._build_plain().requires_grad_(False).eval()
-            self._plain.to(self._worker.device)
+            self._plain = self._build()
         if self._version != version:
-            live = self._plain.state_dict()
+            target = self._plain.state_dict()
             with torch.no_grad():
                 for name, tensor in merged_named_tensors(self._worker.model):
-                    live[name].copy_(tensor)
+                    if name in self._merged_names:
+                        target[name].copy_(tensor)
             self._version = version
         return self._plain

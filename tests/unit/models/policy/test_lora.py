@@ -111,6 +111,10 @@ def test_generation_reads_merged_plain_weights(policy, tiny_model_dir, char_toke
     q = worker.model.model.layers[0].self_attn.q_proj
     expected = q.base_layer.weight + q.lora_B.default.weight @ q.lora_A.default.weight * q.scaling["default"]
     assert torch.equal(merged.model.layers[0].self_attn.q_proj.weight, expected.detach())
+    # what merging never changes is shared with the live module, not copied
+    assert merged.model.embed_tokens.weight is worker.model.model.embed_tokens.weight
+    assert merged.model.layers[0].self_attn.q_proj.bias is q.base_layer.bias
+    assert merged.model.norm.weight is worker.model.model.norm.weight
     # merged forward == adapter forward up to float32 rounding
     torch.testing.assert_close(hf_logits(merged, data), hf_logits(worker.model, data), rtol=0, atol=1e-4)
     train_step(policy, data)  # a new version: the view re-merges
