@@ -16,9 +16,10 @@ from tests.helpers import EXACT_RUN, metrics_by_step, metrics_rows, sigkill_afte
 LORA = ("policy.lora.enabled=true",)
 
 
-def test_lora_grpo_learns_the_default_task(tmp_path) -> None:
+def test_lora_grpo_learns_the_default_task(tmp_path, capsys) -> None:
     """30 LoRA GRPO steps (rank 8 on every linear layer, lr 1e-3) of the shipped model on the default arithmetic
-    task raise its greedy accuracy on the 200 held-out problems. Measured on a 2-core CPU (35-45 s): seed 42
+    task raise its greedy accuracy on the 200 held-out problems, and `relayrl evaluate` of the final adapter
+    checkpoint reproduces the final validation accuracy. Measured on a 2-core CPU (35-45 s): seed 42
     0.350 -> 0.435 (+8.5 points); seeds 1, 2: +9.0, +8.5."""
     run_dir = tmp_path / "run"
     overrides = [
@@ -36,6 +37,11 @@ def test_lora_grpo_learns_the_default_task(tmp_path) -> None:
     assert val[30] - val[0] >= 0.04, f"validation accuracy {val[0]:.3f} -> {val[30]:.3f}: learned < 4 points"
     weights = run_dir / "checkpoints" / "step_30" / "policy" / "weights"
     assert sorted(p.name for p in weights.iterdir()) == [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+
+    capsys.readouterr()  # `relayrl evaluate` of the adapter checkpoint (base model + adapters) reproduces it
+    assert main(["evaluate", "--checkpoint", str(run_dir / "checkpoints" / "step_30")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["num_samples"] == 200 and out["accuracy"] == val[30]
 
 
 def _train_metrics(run_dir: Path) -> dict[int, dict]:
