@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +15,14 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from relayrl.algorithms.loss_functions import ClippedPGLossFn
+from relayrl.algorithms.loss_functions import ClippedPGLossFn, NLLLossFn
 from relayrl.config import ClippedPGLossConfig, PolicyConfig
+from relayrl.distributed import refit
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.policy import lora
 from relayrl.models.policy.lm_policy import Policy
+from relayrl.models.policy.worker import PolicyWorker, load_causal_lm
 
 B, S = 8, 12
 LENGTHS = torch.tensor([12, 5, 7, 2, 12, 9, 3, 10])  # ragged, right-padded
@@ -177,3 +181,42 @@ def test_config_refuses_what_cannot_work(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="target_modules is empty"):
         PolicyConfig.model_validate({"lora": {"enabled": True, "target_modules": []}})
     assert PolicyConfig().lora.enabled is False  # off by default
+
+
+def test_refit_sends_the_merged_weights_over_both_transports(
+    tiny_model_dir, char_tokenizer, monkeypatch, tmp_path
+) -> None:
+    """What separate generation workers receive (ZMQ IPC when colocated, the gloo broadcast otherwise) is the
+    merged plain model, bit for bit what the in-process engine reads, loaded into a plain base-model copy."""
+    monkeypatch.setenv(refit.IPC_DIR_ENV, str(tmp_path))
+    cfg = config(tiny_model_dir)
+    worker = PolicyWorker(cfg, char_tokenizer, init_reference_model=False)
+    worker.train(batch(len(char_tokenizer)), NLLLossFn(), False, 8, 4)
+    expected = worker.generation_view.model.state_dict()
+    info = worker.prepare_refit_info()
+    base = load_causal_lm(cfg).state_dict()
+    assert any(not torch.equal(base[n], t) for n, t in expected.items())  # the adapters moved some weights
+
+    with ThreadPoolExecutor(2) as pool:
+        ipc_dst = load_causal_lm(cfg)  # the generation side: the base architecture, no adapters
+        address = refit.ipc_address(refit.device_ipc_tag(worker.device, 0))
+        got = pool.submit(refit.receive_weights_via_ipc_zmq, address, info, refit.load_into_module(ipc_dst))
+        assert worker.stream_weights_via_ipc_zmq(1 << 16) and got.result(timeout=60)
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        gloo_dst = load_causal_lm(cfg)
+
+        def receive() -> None:
+            group = refit.WeightUpdateGroup("127.0.0.1", port, 1, 2, timeout_s=60)
+            group.receive_weights(info, refit.load_into_module(gloo_dst))
+
+        received = pool.submit(receive)
+        assert worker.init_collective("127.0.0.1", port, 2, train_world_size=1)
+        assert worker.broadcast_weights_for_collective()
+        received.result(timeout=60)
+    for dst in (ipc_dst, gloo_dst):
+        for name, tensor in dst.state_dict().items():
+            assert torch.equal(tensor, expected[name]), name
+    worker.shutdown()
