@@ -205,9 +205,10 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     logger.log_hyperparams(cfg.model_dump(mode="json"))
 
     if cfg.policy.lora.enabled:
-        from relayrl.models.policy.lora import FAST_PATH_NOTE
+        from relayrl.models.policy.lora import fast_path_note
 
-        logger.print_message(FAST_PATH_NOTE)
+        if (note := fast_path_note(cfg.policy)) is not None:
+            logger.print_message(note)
     if last is not None:
         restore_rng_state(rng_state["global"])
         policy_generation.set_rng_state(rng_state["generation"])

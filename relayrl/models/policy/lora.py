@@ -11,7 +11,8 @@ The adapters are injected into the policy's own Hugging Face module in place, so
   colocated engine reads a plain module refreshed from them whenever the policy's `weights_version` moves
   (`MergedGenerationSource`), so the generation fast path still applies.
 
-The policy passes themselves run through Hugging Face's forward: the fast path needs plain `nn.Linear` projections.
+The policy's full-sequence passes keep the fast path, which computes a LoRA projection as peft does (base output,
+plus (x A^T) B^T scaled); with `dropout` > 0 the training passes go through Hugging Face's forward instead.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: The adapter name peft uses when none is given.
 ADAPTER = "default"
-#: Printed once per run: the policy passes do not take the fast path under LoRA.
-FAST_PATH_NOTE = (
-    "LoRA: the policy's log-prob and training passes run through Hugging Face's forward (the fast path needs plain "
-    "linear projections); generation runs on the merged weights"
-)
+
+
+def fast_path_note(cfg: PolicyConfig) -> str | None:
+    """The one line a run prints when LoRA keeps its training passes off the fast path, else None."""
+    if cfg.lora.enabled and cfg.lora.dropout > 0:
+        return (
+            f"policy.lora.dropout={cfg.lora.dropout}: the policy's training passes run through Hugging Face's forward "
+            "(the fast path reproduces LoRA without dropout); log-prob passes and generation keep it"
+        )
+    return None
 
 
 def peft_missing_message() -> str | None:

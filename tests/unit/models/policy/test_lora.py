@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -88,8 +89,8 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(policy, tiny_mo
     ref0 = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
     assert torch.equal(policy.get_logprobs(data)["logprobs"], ref0)  # lora_B starts at 0: adds exactly nothing
     plain = Policy(config(tiny_model_dir, enabled=False), char_tokenizer, init_reference_model=False)
-    try:  # the plain base model's own log-probs (its fast path: another summation order)
-        torch.testing.assert_close(plain.get_logprobs(data)["logprobs"], ref0, rtol=0, atol=1e-5)
+    try:  # the plain base model's own log-probs, bit for bit (both on the fast path)
+        assert torch.equal(plain.get_logprobs(data)["logprobs"], ref0)
     finally:
         plain.shutdown()
 
@@ -181,6 +182,9 @@ def test_config_refuses_what_cannot_work(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="target_modules is empty"):
         PolicyConfig.model_validate({"lora": {"enabled": True, "target_modules": []}})
     assert PolicyConfig().lora.enabled is False  # off by default
+    assert lora.fast_path_note(config(tiny_model_dir)) is None  # no dropout: nothing leaves the fast path
+    note = lora.fast_path_note(config(tiny_model_dir, dropout=0.1))
+    assert note is not None and "\n" not in note and "training passes run through Hugging Face" in note
 
 
 def test_refit_sends_the_merged_weights_over_both_transports(
@@ -220,3 +224,26 @@ def test_refit_sends_the_merged_weights_over_both_transports(
         for name, tensor in dst.state_dict().items():
             assert torch.equal(tensor, expected[name]), name
     worker.shutdown()
+
+
+def test_the_fast_path_computes_lora_as_peft_does(policy, char_tokenizer) -> None:
+    """The full-sequence passes keep the fast path under LoRA (adapters on or off); generation's decoder, which
+    needs plain projections, reads the merged copy instead. Dropout active in training sends a pass to HF."""
+    from relayrl.models.fast.forward import backbone_hidden_states
+
+    worker = policy._group.worker(0)
+    train_step(policy, batch(len(char_tokenizer)))  # non-zero lora_B
+    model = worker.model
+    assert fast_path_unsupported(model) is None
+    assert "plain nn.Linear" in str(fast_path_unsupported(model, lm_head=True))
+    g = torch.Generator().manual_seed(1)
+    ids, lengths = torch.randint(2, len(char_tokenizer), (6, 20), generator=g), torch.tensor([20, 3, 11, 17, 1, 9])
+    real = torch.arange(20)[None, :] < lengths[:, None]  # [6, 20]
+    for mode in (contextlib.nullcontext(), lora.reference_mode(worker.peft_model)):
+        with mode:
+            fast = backbone_hidden_states(model, ids, lengths, fast=True)[real]  # [N, H]
+            hf = backbone_hidden_states(model, ids, lengths, fast=False)[real]
+        torch.testing.assert_close(fast, hf, rtol=0, atol=1e-5)
+    q = model.model.layers[0].self_attn.q_proj
+    q.lora_dropout["default"] = nn.Dropout(0.1)
+    assert fast_path_unsupported(model.train()) is not None and fast_path_unsupported(model.eval()) is None
