@@ -11,7 +11,14 @@ import pytest
 
 from relayrl.cli.main import main
 from relayrl.models.policy import lora
-from tests.helpers import EXACT_RUN, metrics_by_step, metrics_rows, sigkill_after_checkpoint, tiny_grpo_overrides
+from tests.helpers import (
+    EXACT_RUN,
+    metrics_by_step,
+    metrics_rows,
+    sigkill_after_checkpoint,
+    tiny_grpo_overrides,
+    tiny_ppo_overrides,
+)
 
 LORA = ("policy.lora.enabled=true",)
 
@@ -111,3 +118,22 @@ def test_lora_set_ups_that_cannot_work_fail_in_one_line(tmp_path, tiny_model_dir
     assert "checkpoints hold full weights" in err[0]
     info = json.loads((full / "checkpoints" / "latest_checkpoint_status.json").read_text())
     assert info["last_checkpoint_step"] == 2
+
+
+def test_lora_ppo_trains_the_adapters_and_a_full_critic(tmp_path) -> None:
+    """PPO with a LoRA actor: the actor's checkpoint is adapters alone, the critic's is its full weights, and the
+    actor's adapters moved (its KL to the base model is positive)."""
+    from relayrl.utils.paths import resolve_model_path
+
+    model = resolve_model_path("builtin:tiny-arith")  # solves some problems: the actor gets gradients
+    run_dir = tmp_path / "ppo"
+    overrides = tiny_ppo_overrides(model, *LORA, "ppo.max_num_steps=2", "policy.generation.max_new_tokens=12")
+    assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
+    step = run_dir / "checkpoints" / "step_2"
+    assert sorted(p.name for p in (step / "policy" / "weights").iterdir()) == [
+        lora.ADAPTER_CONFIG,
+        lora.ADAPTER_WEIGHTS,
+    ]
+    assert (step / "value" / "weights" / "model.safetensors").is_file()  # the critic: full weights
+    last = metrics_by_step(run_dir, ("train/",))[2]
+    assert last["train/kl_penalty"] > 0
