@@ -29,7 +29,7 @@ from torch import nn
 
 from relayrl.config import PolicyConfig
 
-#: What `peft.PeftModel.save_pretrained` writes, and what marks a weights directory as adapters only.
+#: The file names of a peft adapter directory; the config file marks a weights directory as adapters only.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: The adapter name peft uses when none is given.
@@ -81,10 +81,17 @@ def add_adapters(model: nn.Module, cfg: PolicyConfig) -> Any:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers a deprecated question
             torch.manual_seed(lora.init_seed)
-            return get_peft_model(model, peft_cfg)
+            peft_model = get_peft_model(model, peft_cfg)
     except ValueError as exc:  # e.g. target modules not found in the model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"policy.lora.target_modules {lora.target_modules!r}: {first}") from None
+    for name, layer in _lora_layers(model).items():  # merging (generation, export) is written for linear layers
+        if type(layer.base_layer) is not nn.Linear:
+            raise ValueError(
+                f"policy.lora.target_modules {lora.target_modules!r} adapts {name}, a "
+                f"{type(layer.base_layer).__name__}; only linear layers are supported (e.g. all-linear)"
+            )
+    return peft_model
 
 
 @contextlib.contextmanager
@@ -187,8 +194,10 @@ class MergedGenerationSource:
         live = self._worker.model
         self._merged_names = {f"{name}.weight" for name in _lora_layers(live)}
         shared = {plain_name(n): p for n, p in live.named_parameters(remove_duplicate=False) if ".lora_" not in n}
-        for name, _ in list(plain.named_parameters(remove_duplicate=False)):
-            if name not in self._merged_names and name in shared:  # tied weights: every name of the tensor
+        params = dict(plain.named_parameters(remove_duplicate=False))  # tied weights: every name of the tensor
+        merged = {params[n].data_ptr() for n in self._merged_names if n in params}  # a weight tied to a merged one
+        for name, param in params.items():
+            if name in shared and param.data_ptr() not in merged:
                 owner, _, attr = name.rpartition(".")
                 setattr(plain.get_submodule(owner), attr, shared[name])
         return plain

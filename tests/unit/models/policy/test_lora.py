@@ -174,6 +174,8 @@ def test_target_modules_choose_the_adapted_projections(tiny_model_dir, char_toke
         policy.shutdown()
     with pytest.raises(ValueError, match="policy.lora.target_modules"):
         Policy(config(tiny_model_dir, target_modules=["no_such_proj"]), char_tokenizer)
+    with pytest.raises(ValueError, match="only linear layers are supported"):
+        Policy(config(tiny_model_dir, target_modules=["embed_tokens"]), char_tokenizer)
 
 
 def test_config_refuses_what_cannot_work(tiny_model_dir) -> None:
