@@ -15,9 +15,15 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
     from relayrl.experience.data import build_dataloaders
     from relayrl.models.generation.hf_generation import HfGeneration
     from relayrl.models.policy.lm_policy import Policy
+    from relayrl.models.policy.lora import is_adapter_dir
 
     weights = checkpoint / "policy" / "weights"
     model_dir = weights if weights.is_dir() else checkpoint
+    adapters = model_dir if is_adapter_dir(model_dir) else None  # a LoRA run's: base model + these adapters
+    if adapters is not None:
+        if not cfg.policy.lora.enabled:
+            raise ValueError(f"{adapters} holds LoRA adapters; evaluate it with policy.lora.enabled=true")
+        model_dir = Path(cfg.policy.model_name)
     saved_tokenizer = checkpoint / "policy" / "tokenizer"
     tokenizer_cfg = cfg.policy.tokenizer
     if saved_tokenizer.is_dir():
@@ -29,6 +35,8 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
     if val_dataloader is None:
         raise ValueError("no validation data configured (data.validation or a held-out split)")
     policy = Policy(cfg.policy, tokenizer, cluster=cfg.cluster, init_reference_model=False, init_optimizer=False)
+    if adapters is not None:
+        policy.load_checkpoint(str(adapters))
     generation = HfGeneration(
         cfg.policy.generation,
         tokenizer,

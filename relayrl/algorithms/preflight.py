@@ -37,6 +37,11 @@ def check_machine(cfg: MasterConfig) -> None:
                 f"logger.{key}=true needs the {module} package, which is not installed: "
                 f"pip install 'relayrl[{extra}]' or set logger.{key}=false"
             )
+    if cfg.policy.lora.enabled:
+        from relayrl.models.policy.lora import peft_missing_message
+
+        if (problem := peft_missing_message()) is not None:
+            raise ValueError(problem)
 
 
 def read_chat_template(value: str) -> str:

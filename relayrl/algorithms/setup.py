@@ -171,6 +171,8 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     loader_state: Any = load_state_file(last / DATALOADER_STATE) if last else None
     rng_state: Any = load_state_file(last / RNG_STATE) if last else None
 
+    if last is not None:
+        _check_lora_checkpoint(cfg, last)
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
     try:
@@ -202,6 +204,11 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     dump_config(cfg, run_dir / "config.yaml")
     logger.log_hyperparams(cfg.model_dump(mode="json"))
 
+    if cfg.policy.lora.enabled:
+        from relayrl.models.policy.lora import fast_path_note
+
+        if (note := fast_path_note(cfg.policy)) is not None:
+            logger.print_message(note)
     if last is not None:
         restore_rng_state(rng_state["global"])
         policy_generation.set_rng_state(rng_state["generation"])
@@ -235,6 +242,19 @@ def _weights_error(key: str, source: str, exc: Exception) -> Exception:
         return exc
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return ValueError(f"{key} {source}: its weights could not be loaded ({first})")
+
+
+def _check_lora_checkpoint(cfg: MasterConfig, last: Path) -> None:
+    """A LoRA run's checkpoint holds adapters, any other run's full weights: resuming one as the other cannot work."""
+    from relayrl.models.policy.lora import is_adapter_dir
+
+    adapters = is_adapter_dir(last / "policy" / "weights")
+    if adapters != cfg.policy.lora.enabled:
+        held = "LoRA adapters" if adapters else "full weights"
+        raise ValueError(
+            f"checkpoint {last} holds {held} but policy.lora.enabled={str(cfg.policy.lora.enabled).lower()}; resume "
+            f"with policy.lora.enabled={str(adapters).lower()} or start a new run directory"
+        )
 
 
 def _build_policy(cfg: MasterConfig, tokenizer: Tokenizer) -> Any:

@@ -1,4 +1,4 @@
-"""`relayrl` command line: train, evaluate, plot.
+"""`relayrl` command line: train, evaluate, plot, export.
 
 Bad input (config keys and values, missing paths, unusable datasets) ends with one line on stderr and exit code 2,
 never a traceback; heavy imports happen only after the arguments and the config are known to be good.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relayrl.cli import diff as diff_cli
+from relayrl.cli import export as export_cli
 from relayrl.cli import inspect_run as inspect_cli
 from relayrl.cli import replay as replay_cli
 from relayrl.config import MasterConfig
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
-    for command in (replay_cli, diff_cli, inspect_cli):  # each module adds its parser and its handler
+    for command in (replay_cli, diff_cli, inspect_cli, export_cli):  # each module adds its parser and its handler
         command.add_parser(sub)
     return p
 
@@ -150,6 +151,10 @@ def _check_resume(recorded: MasterConfig, cfg: MasterConfig, run_dir: Path, allo
             f"{key} cannot change when resuming ({old!r} -> {new!r}): the checkpoint's optimizer and scheduler "
             "state would overwrite it; resume without the change or start a new run directory"
         )
+    for key, old, new in inexact:
+        if key == "policy.lora.enabled":  # adapters vs full weights: no flag makes that checkpoint loadable
+            held = "LoRA adapters" if old else "full weights"
+            return f"{key} cannot change when resuming ({old!r} -> {new!r}): {run_dir}'s checkpoints hold {held}"
     if inexact and not allow_inexact:
         key, old, new = inexact[0]
         more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""

@@ -186,6 +186,25 @@ class BatchingModes(Strict):
     """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
 
 
+class LoraConfig(Strict):
+    """Low-rank adapters (LoRA, through `peft`, the `lora` extra): the base weights stay frozen and only the adapters
+    train, are checkpointed and carry optimizer state; the reference policy is the base model with the adapters off."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight of the policy."""
+    rank: PositiveInt = 8
+    """Rank r of each adapter pair (A: r x in, B: out x r); the adapter adds r x (in + out) weights per module."""
+    alpha: PositiveFloat = 16.0
+    """Scaling numerator: an adapter's update B @ A is multiplied by alpha / rank."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout on an adapter's input while training (0: none, and training stays deterministic)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (or name suffixes, e.g. [q_proj, v_proj]) that get adapters; `all-linear`: every linear layer of
+    the decoder except the output head."""
+    init_seed: NonNegInt = 0
+    """Seed of the adapters' random start (lora_A; lora_B starts at zero), the same on every executor and rank."""
+
+
 class PolicyConfig(BatchingModes):
     model_name: str = BUILTIN_TINY_MODEL
     """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
@@ -232,10 +251,19 @@ class PolicyConfig(BatchingModes):
     """How rollouts are sampled from the policy (engine, sampling, stop conditions, placement)."""
     data_parallel: DataParallelConfig = DataParallelConfig()
     """How data-parallel ranks combine gradients."""
+    lora: LoraConfig = LoraConfig()
+    """Train low-rank adapters instead of the full weights (off by default)."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> PolicyConfig:
         _check_batching("policy", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        if self.lora.enabled and self.data_parallel.strategy == "fsdp2":
+            raise ValueError(
+                "policy.lora.enabled=true does not support policy.data_parallel.strategy=fsdp2 (the sharded replica "
+                "would hold frozen and trained weights in one unit); use strategy=manual or ddp"
+            )
+        if self.lora.enabled and isinstance(self.lora.target_modules, list) and not self.lora.target_modules:
+            raise ValueError("policy.lora.target_modules is empty; name modules (e.g. [q_proj, v_proj]) or all-linear")
         return self
 
 

@@ -321,13 +321,17 @@ class ModelWorker:
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Copy saved weights into the live module in place (its identity, shared with a colocated engine, stays)."""
-        saved = self._load(weights_path)
-        self.model.load_state_dict(saved.state_dict())
+        self._load_weights_in_place(weights_path)
         self.dp.load_full_into_shards()
         if optimizer_path is not None:
             self._load_optimizer(optimizer_path)  # also restores weights_version
         else:
             self.weights_version += 1  # the live weights changed: a colocated engine must notice
+
+    def _load_weights_in_place(self, weights_path: str) -> None:
+        """Copy the weights saved at `weights_path` into the live module (whatever a subclass's `_save_weights` wrote)."""
+        saved = self._load(weights_path)
+        self.model.load_state_dict(saved.state_dict())
 
     def save_checkpoint(
         self, weights_path: str, optimizer_path: str | None = None, tokenizer_path: str | None = None

@@ -36,7 +36,14 @@ from torch.utils.checkpoint import checkpoint
 
 from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
 from relayrl.models.fast.packing import PaddedPacking, RowGroups, SharedPacking
-from relayrl.models.fast.support import Layer, backbone_of, fast_path_unsupported, input_grads_hooked, read_layer
+from relayrl.models.fast.support import (
+    Layer,
+    backbone_of,
+    fast_path_unsupported,
+    input_grads_hooked,
+    projection,
+    read_layer,
+)
 
 
 def use_fast_path(model: nn.Module, fast: bool | None) -> bool:
@@ -193,17 +200,17 @@ class _Backbone:
         n, d = pk.num_tokens, self.head_dim
         native = self.native
         x = rms_norm(h, layer.in_norm, layer.in_eps, native)  # [N, H]
-        q = F.linear(x, *layer.q).view(n, self.n_heads, d)
-        k = F.linear(x, *layer.k).view(n, self.n_kv, d)
-        v = F.linear(x, *layer.v).view(n, self.n_kv, d)
+        q = projection(x, layer.q).view(n, self.n_heads, d)
+        k = projection(x, layer.k).view(n, self.n_kv, d)
+        v = projection(x, layer.v).view(n, self.n_kv, d)
         if layer.q_norm is not None:
             q, k = rms_norm(q, layer.q_norm, layer.qk_eps, native), rms_norm(k, layer.k_norm, layer.qk_eps, native)
         a = self._attention(rope(q, cos, sin, native), rope(k, cos, sin, native), v, pk)  # [N, Hq * D]
         if query is not None:
             h, a = h.index_select(0, query), a.index_select(0, query)  # [Q, H], [Q, Hq * D]
-        h = h + F.linear(a, *layer.o)
+        h = h + projection(a, layer.o)
         x = rms_norm(h, layer.post_norm, layer.post_eps, native)
-        return h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
+        return h + projection(F.silu(projection(x, layer.gate)) * projection(x, layer.up), layer.down)
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: PaddedPacking | SharedPacking

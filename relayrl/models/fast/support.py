@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -31,7 +32,8 @@ def fast_path_unsupported(model: nn.Module, *, lm_head: bool = False) -> str | N
     """None when the fast path reproduces `model` exactly right now, else the reason it cannot.
 
     `lm_head`: the caller also runs the model's LM head through the fast path (generation); the full-sequence passes
-    apply the head themselves, so a bare backbone (a critic's) or an adapted head does not stop them.
+    apply the head themselves, so a bare backbone (a critic's) or an adapted head does not stop them. The
+    full-sequence passes also take `peft` LoRA projections (`lora_projection`); generation needs plain ones.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -59,8 +61,10 @@ def fast_path_unsupported(model: nn.Module, *, lm_head: bool = False) -> str | N
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) is not nn.Linear for m in linears):
-        return "projections are not plain nn.Linear (adapters or quantisation)"
+    for m in linears:
+        if type(m) is not nn.Linear and (lm_head or lora_projection(m) is None):
+            kinds = "plain nn.Linear" if lm_head else "plain nn.Linear or LoRA without active dropout"
+            return f"projections are not {kinds} (adapters or quantisation)"
     if any(type(p.data) is not torch.Tensor for p in (model if lm_head else base).parameters()):
         return "parameters are not plain tensors (sharded or quantised)"
     if base.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0.0:
@@ -114,23 +118,61 @@ class Layer(NamedTuple):
 
     in_norm: torch.Tensor
     in_eps: float
-    q: tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) of each projection
-    k: tuple[torch.Tensor, torch.Tensor | None]
-    v: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
+    q: tuple[Any, ...]  # (weight, bias) of each projection; a LoRA one adds (A, B, scaling): see `projection`
+    k: tuple[Any, ...]
+    v: tuple[Any, ...]
+    o: tuple[Any, ...]
     q_norm: torch.Tensor | None  # qwen3: RMSNorm over each head's dims before RoPE
     k_norm: Any  # set exactly when q_norm is
     qk_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    gate: tuple[torch.Tensor, torch.Tensor | None]
-    up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    gate: tuple[Any, ...]
+    up: tuple[Any, ...]
+    down: tuple[Any, ...]
 
 
-def weight_and_bias(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of an nn.Linear, in the order F.linear takes them."""
-    return linear.weight, linear.bias
+def lora_projection(module: Any) -> tuple[Any, ...] | None:
+    """A `peft` LoRA linear layer the fast path reproduces: () when its adapters are off (the base layer alone),
+    (lora_A weight, lora_B weight, scaling) for its one active adapter; None for anything else (not LoRA, merged,
+    several adapters, DoRA-style variants, LoRA biases, transposed weights, dropout active in training mode)."""
+    base = getattr(module, "base_layer", None)
+    if type(base) is not nn.Linear or not hasattr(module, "lora_A") or getattr(module, "merged", True):
+        return None
+    if getattr(module, "fan_in_fan_out", False):
+        return None
+    if module.disable_adapters:
+        return ()
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1 or active[0] in getattr(module, "lora_variant", {}):
+        return None
+    name = active[0]
+    a, b, dropout = module.lora_A[name], module.lora_B[name], module.lora_dropout[name]
+    if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
+        return None
+    if type(dropout) is not nn.Identity and (dropout.training and float(getattr(dropout, "p", 1.0)) > 0):
+        return None
+    return a.weight, b.weight, float(module.scaling[name])
+
+
+def weight_and_bias(linear: Any) -> tuple[Any, ...]:
+    """(weight, bias) of an nn.Linear, in the order F.linear takes them; a LoRA layer adds (A, B, scaling) of its
+    active adapter (see `lora_projection`)."""
+    if type(linear) is nn.Linear:
+        return linear.weight, linear.bias
+    lora = lora_projection(linear)
+    if lora is None:
+        raise ValueError(f"{type(linear).__name__} is not a projection the fast path reproduces")
+    return (linear.base_layer.weight, linear.base_layer.bias, *lora)
+
+
+def projection(x: torch.Tensor, proj: tuple[Any, ...]) -> torch.Tensor:
+    """x @ W^T + b of a `weight_and_bias` entry, plus (x @ A^T) @ B^T * scaling for a LoRA one (the op order of
+    peft's forward: base output first, the adapter's added to it)."""
+    if len(proj) == 2:
+        return F.linear(x, proj[0], proj[1])
+    weight, bias, lora_a, lora_b, scaling = proj
+    return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scaling
 
 
 def read_layer(layer: Any) -> Layer:

@@ -90,17 +90,18 @@ class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
         return self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
 
     @property
-    def generation_source(self) -> PolicyWorker:
-        """Rank 0's worker (`.model`: the live module, `.weights_version`: bumped per optimizer step)."""
+    def generation_source(self) -> Any:
+        """Rank 0's worker (`.model`: the live module, `.weights_version`: bumped per optimizer step); under LoRA its
+        merged view (`PolicyWorker.generation_view`: a plain module with the adapters merged in)."""
         if not isinstance(self._group, LocalWorkerGroup):
             raise RuntimeError("generation_source is only available on the local executor (workers in-process)")
-        return self._group.worker(0)
+        return self._group.worker(0).generation_view
 
     @property
     def device(self) -> torch.device:
         """The device rank 0 computes on (where a colocated engine should run)."""
         if isinstance(self._group, LocalWorkerGroup):
-            return self.generation_source.device
+            return self._group.worker(0).device
         return torch.device(self._group.run_rank0(PolicyWorker.get_device))
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:

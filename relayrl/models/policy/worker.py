@@ -27,6 +27,7 @@ from relayrl.models import fp8_kv
 from relayrl.models.fast.forward import backbone_hidden_states, hf_hidden_states, selected_hidden_states
 from relayrl.models.microbatch import pass_batches, place
 from relayrl.models.policy import logprobs as lp_ops
+from relayrl.models.policy import lora
 from relayrl.models.worker_base import (
     LOAD_LOCK,
     MicrobatchLoss,
@@ -88,23 +89,67 @@ class PolicyWorker(ModelWorker):
         self._init_reference_model = init_reference_model
         self.reference_model: PreTrainedModel | None = None
         self._weight_group: refit.WeightUpdateGroup | None = None  # joined by init_collective
+        self.peft_model: Any = None  # policy.lora: the peft wrapper of `self.model` (adapters injected in place)
+        self._merged_source: lora.MergedGenerationSource | None = None
         super().__init__(config, tokenizer, **options)
 
     def _load(self, weights_path: str | None) -> PreTrainedModel:
-        return load_causal_lm(self.cfg, weights_path)
+        if not self.cfg.lora.enabled:
+            return load_causal_lm(self.cfg, weights_path)
+        adapters = weights_path is not None and lora.is_adapter_dir(weights_path)  # a LoRA run's checkpoint
+        model = load_causal_lm(self.cfg, None if adapters else weights_path)
+        self.peft_model = lora.add_adapters(model, self.cfg)
+        if adapters:
+            lora.load_adapters(self.peft_model, str(weights_path))
+        return model
 
     def _backbone(self) -> PreTrainedModel:
         return self.model
 
     def _save_weights(self, path: str) -> None:
-        self.model.save_pretrained(path)
+        if self.peft_model is not None:  # the adapters alone: the base weights never change
+            lora.save_adapters(self.peft_model, path)
+        else:
+            self.model.save_pretrained(path)
+
+    def _load_weights_in_place(self, weights_path: str) -> None:
+        if self.peft_model is None:
+            return super()._load_weights_in_place(weights_path)
+        if not lora.is_adapter_dir(weights_path):
+            raise ValueError(
+                f"{weights_path} holds full weights, not LoRA adapters: it was written with policy.lora.enabled=false; "
+                "resume it with policy.lora.enabled=false or start a new run directory"
+            )
+        lora.load_adapters(self.peft_model, weights_path)
+
+    @property
+    def generation_view(self) -> Any:
+        """What a colocated engine reads (`.model`, `.weights_version`): this worker, or under LoRA a plain module
+        holding the merged weights (re-merged when the weights move)."""
+        if self.peft_model is None:
+            return self
+        if self._merged_source is None:
+            self._merged_source = lora.MergedGenerationSource(self, lambda: load_causal_lm(self.cfg))
+        return self._merged_source
+
+    def _generation_tensors(self, merge: bool = True) -> Any:
+        """(name, tensor) pairs of the weights generation runs on: the live state dict, or the merged LoRA weights
+        under the base model's names."""
+        if self.peft_model is None:
+            return self.model.state_dict().items()
+        return lora.merged_named_tensors(self.model, merge=merge)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights generation runs on (live tensors; under LoRA the merged ones, under the base model's names)."""
+        return dict(self._generation_tensors())
 
     def _before_wrap(self) -> None:
         """Snapshot the loaded weights (a checkpoint's on resume, as in the reference system) before any
         data-parallel wrapping. A second frozen module on the CPU costs the same memory as a state-dict snapshot
         but needs no weight swapping: on CPU it is used in place, on a GPU it is moved over only for the reference.
+        Under LoRA the reference is the live module with its adapters off: nothing to copy.
         """
-        if self._init_reference_model:
+        if self._init_reference_model and self.peft_model is None:
             self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             move_module(self.reference_model, torch.device("cpu"))
 
@@ -200,9 +245,14 @@ class PolicyWorker(ModelWorker):
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        if self.reference_model is None:
+        if not self._init_reference_model:
             raise RuntimeError("reference log-probs requested but the policy was built with init_reference_model=False")
+        if self.peft_model is not None:  # the base model: adapters off (temperature kept, no top-k/top-p)
+            with lora.reference_mode(self.peft_model):
+                out = self._logprobs(self.model, data, micro_batch_size, filtered=False)
+            return BatchedDataDict(reference_logprobs=out)
         ref = self.reference_model
+        assert ref is not None
         move_module(ref, self.device)
         try:  # temperature kept, top-k/top-p off: the KL term compares full distributions
             out = self._logprobs(ref, data, micro_batch_size, filtered=False)
@@ -348,7 +398,7 @@ class PolicyWorker(ModelWorker):
     # ------------------------------------------------------------------ refit to separate generation workers
     def prepare_refit_info(self) -> refit.RefitInfo:
         dtype = dev.precision_dtype(self.cfg.precision)  # streamed tensors are cast to the policy precision
-        return {name: (tuple(t.shape), dtype) for name, t in self.model.state_dict().items()}
+        return {name: (tuple(t.shape), dtype) for name, t in self._generation_tensors(merge=False)}
 
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None) -> bool:
         """Stream this rank's weights (policy precision) to the generation worker on the same device."""
@@ -357,7 +407,7 @@ class PolicyWorker(ModelWorker):
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         address = refit.ipc_address(refit.device_ipc_tag(self.device, local_rank))
         dtype = dev.precision_dtype(self.cfg.precision)
-        refit.stream_weights_via_ipc_zmq(self.model.state_dict().items(), address, buffer_size_bytes, dtype=dtype)
+        refit.stream_weights_via_ipc_zmq(self._generation_tensors(), address, buffer_size_bytes, dtype=dtype)
         return True
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
@@ -377,11 +427,12 @@ class PolicyWorker(ModelWorker):
             raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
         if self.rank == 0:
             dtype = dev.precision_dtype(self.cfg.precision)
-            group.send_weights(self.model.state_dict().items(), dtype=dtype, kv_scales=kv_scales)
+            group.send_weights(self._generation_tensors(), dtype=dtype, kv_scales=kv_scales)
         else:  # a data-parallel replica already holds these weights
             group.receive_weights(self.prepare_refit_info(), None)
         return True
 
     def shutdown(self) -> bool:
         self.reference_model = None
+        self._merged_source = None
         return super().shutdown()
