@@ -21,6 +21,7 @@ BUILTIN_TINY_MODEL = "builtin:tiny-arith"
 
 
 class Strict(BaseModel):
-    """Base for every config block: unknown keys are errors, assignments are validated."""
+    """Base for every config block: unknown keys are errors, assignments are validated, and each field's attribute
+    docstring becomes its description (what `relayrl config show` prints)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from relayrl.config import EnvConfig, MasterConfig
+from relayrl.config import REWARD_FNS_TASK, EnvConfig, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
 
 EnvFactory = Callable[[EnvConfig], EnvironmentInterface]
@@ -27,7 +27,23 @@ def _make_reward_model(cfg: EnvConfig) -> EnvironmentInterface:
     return RewardModelEnvironment.from_config(cfg.reward_model)
 
 
-ENV_REGISTRY: dict[str, EnvFactory] = {"math": _make_math, "reward_model": _make_reward_model}
+def _make_reward_fns(cfg: EnvConfig) -> EnvironmentInterface:
+    """User reward functions by import path (`env.reward_fns`); `relayrl.train(reward_fns=...)` builds its own."""
+    from relayrl.environments.reward_fn_env import RewardFunctionEnvironment, load_reward_fn
+
+    if not cfg.reward_fns:
+        raise ValueError(
+            f"task {REWARD_FNS_TASK!r} needs reward functions: env.reward_fns=[module:function, ...] "
+            "(or reward_fns= in relayrl.train)"
+        )
+    return RewardFunctionEnvironment([load_reward_fn(e) for e in cfg.reward_fns], cfg.reward_weights)
+
+
+ENV_REGISTRY: dict[str, EnvFactory] = {
+    "math": _make_math,
+    "reward_model": _make_reward_model,
+    REWARD_FNS_TASK: _make_reward_fns,
+}
 
 
 def register_env(name: str, factory: EnvFactory) -> None:
@@ -49,11 +65,19 @@ def create_task_to_env(task_names: Iterable[str], cfg: EnvConfig | None = None) 
     return {name: create_env(name, cfg) for name in dict.fromkeys(task_names)}
 
 
-def build_environments(cfg: MasterConfig, task_names: Iterable[str] = ()) -> dict[str, EnvironmentInterface]:
+def build_environments(
+    cfg: MasterConfig, task_names: Iterable[str] = (), reward_fns: EnvironmentInterface | None = None
+) -> dict[str, EnvironmentInterface]:
     """Environments for the configured datasets' default tasks plus `task_names` (e.g. a dataset's `task_names`,
-    which also covers per-row task fields); every name must be registered.
+    which also covers per-row task fields); every name must be registered. `reward_fns`, when given, is the
+    environment of task `reward_fns` (functions handed to `relayrl.train`, which no config can name).
     """
     names = [cfg.data.train.default_task]
     if cfg.data.validation is not None:
         names.append(cfg.data.validation.default_task)
-    return create_task_to_env([*names, *task_names], cfg.env)
+    names = list(dict.fromkeys([*names, *task_names]))
+    if reward_fns is None or REWARD_FNS_TASK not in names:
+        return create_task_to_env(names, cfg.env)
+    envs = create_task_to_env([n for n in names if n != REWARD_FNS_TASK], cfg.env)
+    envs[REWARD_FNS_TASK] = reward_fns
+    return envs

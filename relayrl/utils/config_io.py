@@ -23,8 +23,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """Read `path` (or start from the schema defaults), apply `key.sub=value` overrides, validate."""
     raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
+        key, value = parse_override(item)
+        set_override(raw, key, value)
     return validate_config(raw)
 
 
@@ -70,7 +70,8 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key.sub=value` -> (key, value parsed as YAML)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key.subkey=value")
     key, text = item.split("=", 1)
@@ -84,7 +85,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+def set_override(raw: dict[str, Any], key: str, value: Any, merge: bool = False) -> None:
+    """Set dotted `key` in the raw config dict; with `merge`, a dict value merges into a section already there."""
     node = raw
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -94,7 +96,8 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"cannot set {key}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
-    node[parts[-1]] = value
+    old = node.get(parts[-1])
+    node[parts[-1]] = _deep_merge(old, value) if merge and isinstance(old, dict) and isinstance(value, dict) else value
 
 
 def _one_line(exc: ValidationError) -> str:
