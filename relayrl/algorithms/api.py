@@ -121,7 +121,7 @@ def train(
     score the rows; datasets are lists of dicts, `datasets.Dataset`s or paths (JSONL / Parquet file, or a
     `save_to_disk` directory). A `run_dir` that holds checkpoints resumes from the latest one.
     """
-    from relayrl.algorithms.setup import UserInputs, run_banner, run_training
+    from relayrl.algorithms.setup import UserInputs, run_training
     from relayrl.utils.paths import next_run_dir
 
     cfg, train_rows, val_rows = build_run_config(
@@ -129,9 +129,8 @@ def train(
     )
     fresh = run_dir is None
     directory = next_run_dir("runs") if run_dir is None else Path(run_dir)
-    print(run_banner(cfg, directory), flush=True)
     inputs = UserInputs(train_rows=train_rows, val_rows=val_rows, reward_fns=list(reward_fns or []))
-    summary = run_training(cfg, directory, inputs, new_run_dir=fresh)
+    summary = run_training(cfg, directory, inputs, new_run_dir=fresh, announce=True)
     return TrainResult(
         run_dir=directory,
         metrics=last_metrics(directory / "metrics.jsonl"),

@@ -348,11 +348,16 @@ def _task_names(*loaders: object) -> list[str]:
 
 
 def run_training(
-    cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None, *, new_run_dir: bool = False
+    cfg: MasterConfig,
+    run_dir: Path,
+    inputs: UserInputs | None = None,
+    *,
+    new_run_dir: bool = False,
+    announce: bool = False,
 ) -> dict[str, object]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after.
     A set-up that fails removes the run directory if this run made it (it did not exist, or `new_run_dir`: the
-    caller created it empty for this run)."""
+    caller created it empty for this run). `announce` prints `run_banner` once set-up succeeded."""
     existed = run_dir.exists() and not new_run_dir
     try:
         c = setup(cfg, run_dir, inputs)
@@ -362,6 +367,8 @@ def run_training(
             shutil.rmtree(run_dir, ignore_errors=True)  # a set-up that failed leaves no run directory behind
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
         raise SetupError(message) from exc
+    if announce:
+        print(run_banner(cfg, run_dir), flush=True)
     try:
         _train(cfg, c)
     finally:

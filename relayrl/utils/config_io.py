@@ -5,12 +5,13 @@ Every failure becomes one `ConfigError` line naming the offending key, which the
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from relayrl.config import MasterConfig
 
@@ -185,3 +186,39 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def describe_config(cfg: BaseModel) -> str:
+    """The resolved config as YAML that `--config` reads back, each field preceded by its description as comments
+    (a field without one has none); what `relayrl config show` prints."""
+    lines: list[str] = []
+    _describe(cfg, 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _describe(model: BaseModel, depth: int, lines: list[str]) -> None:
+    indent = "  " * depth
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        text = " ".join((info.description or "").split())
+        if text:
+            width = max(40, 118 - len(indent))
+            lines.extend(f"{indent}# {part}" for part in textwrap.wrap(text, width))
+        if isinstance(value, BaseModel):
+            lines.append(f"{indent}{name}:")
+            _describe(value, depth + 1, lines)
+        else:
+            dumped = yaml.safe_dump(_plain(value), default_flow_style=True, width=10_000).strip()
+            dumped = dumped.removesuffix("\n...").removesuffix("...").strip()
+            lines.append(f"{indent}{name}: {dumped}")
+
+
+def _plain(value: Any) -> Any:
+    """A field value as YAML-safe data (models inside lists or dicts as their JSON dumps)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
