@@ -26,10 +26,10 @@ def _fail(message: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from relayrl import __version__
+    import relayrl
 
     p = argparse.ArgumentParser(prog="relayrl", description="RL post-training of language models (GRPO and PPO).")
-    p.add_argument("--version", action="version", version=f"relayrl {__version__}")
+    p.add_argument("--version", action="version", version=f"relayrl {relayrl.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser(
