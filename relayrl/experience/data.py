@@ -94,7 +94,7 @@ def read_hf_rows(cfg: DatasetConfig, key: str) -> list[dict[str, Any]]:
 
 def hf_rows(ds: Any, split: str, key: str) -> list[dict[str, Any]]:
     """A `datasets.Dataset` (or one split of a `DatasetDict`) as a list of row dicts."""
-    if hasattr(ds, "keys") and not hasattr(ds, "column_names"):  # a DatasetDict: pick the split
+    if not hasattr(ds, "to_list"):  # a DatasetDict: pick the split
         if split not in ds:
             raise ValueError(f"{key}.split {split!r} is not in the dataset; its splits: {', '.join(sorted(ds))}")
         ds = ds[split]

@@ -143,3 +143,61 @@ def test_ppo_with_reward_functions(tmp_path):
     )
     _check_run(result, 2)
     assert (result.checkpoint / "value").is_dir()
+
+
+def test_a_model_by_hub_id_trains_from_the_cache_offline(tmp_path, monkeypatch, capsys):
+    from relayrl.utils.paths import resolve_model_path
+    from tests.unit.utils.test_hub_models import REPO, populate_cache
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    small = [f"{k}={v}" for k, v in SMALL.items()] + ["grpo.max_num_steps=1"]
+    missing = tmp_path / "missing_run"
+    assert main(["train", "--run-dir", str(missing), "policy.model_name=someone/not-cached", *small]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
+    assert len(err) == 1 and "in the Hugging Face cache" in err[0] and not missing.exists()
+
+    populate_cache(tmp_path / "hub", REPO, resolve_model_path("builtin:tiny-arith"))
+    assert main(["train", "--run-dir", str(tmp_path / "run"), f"policy.model_name={REPO}", *small]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "step_1" / "policy" / "weights").is_dir()
+
+
+def test_cli_reads_datasets_from_disk_and_by_load_dataset_with_column_mapping(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    renamed = [{"question": r["prompt"], "target": r["target"]} for r in rows()]
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(renamed), "test": datasets.Dataset.from_list(renamed[:8])}
+    ).save_to_disk(str(tmp_path / "saved"))
+    files = tmp_path / "files"  # plain data files: datasets.load_dataset(path) reads them, split by file name
+    files.mkdir()
+    (files / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    (files / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed[:8]))
+    (tmp_path / "my_rewards.py").write_text(
+        "def mentions_target(prompts, completions, target, **columns):\n"
+        "    assert all(p.endswith('=') for p in prompts)  # the question column, mapped to the prompt\n"
+        "    return [float(str(t) in c) for c, t in zip(completions, target)]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    common = ["env.reward_fns=[my_rewards:mentions_target]", "grpo.max_num_steps=1", "grpo.val_period=1"]
+    common += ["grpo.max_val_samples=8", "grpo.val_batch_size=8"] + [f"{k}={v}" for k, v in SMALL.items()]
+    for source in ("saved", "files"):
+        data = ["data.train.source=hf", f"data.train.path={source}", "data.train.prompt_field=question"]
+        data += [f"data.validation={{source: hf, path: {source}, split: test, prompt_field: question}}"]
+        assert main(["train", "--run-dir", f"run_{source}", *data, *common]) == 0, source
+        metrics = last_metrics(Path(f"run_{source}/metrics.jsonl"))
+        assert 0.0 <= metrics["validation/accuracy"] <= 1.0 and "train/reward/mentions_target" in metrics
+    assert (
+        main(
+            [
+                "train",
+                "--run-dir",
+                "run_bad",
+                "data.train.source=hf",
+                "data.train.path=saved",
+                "data.train.split=dev",
+                *common,
+            ]
+        )
+        == 2
+    )
+    assert not Path("run_bad").exists()
