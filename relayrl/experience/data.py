@@ -152,9 +152,13 @@ def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: st
 def _arithmetic_records(data: DataConfig, task: str) -> tuple[list[PromptRecord], list[PromptRecord]]:
     a = data.arithmetic
     train, val = split_problems(all_problems(a.min_operand, a.max_operand, a.operations), a.num_val_problems)
-    return [PromptRecord(p.answer, task, prompt=p.problem) for p in train], [
-        PromptRecord(p.answer, task, prompt=p.problem) for p in val
-    ]
+
+    def record(p: Any, n: int) -> PromptRecord:  # reward functions get the answer as a column, like a file's
+        if task != REWARD_FNS_TASK:
+            return PromptRecord(p.answer, task, prompt=p.problem)
+        return PromptRecord(p.answer, task, prompt=p.problem, columns={"answer": p.answer}, row=n)
+
+    return [record(p, n) for n, p in enumerate(train, 1)], [record(p, n) for n, p in enumerate(val, 1)]
 
 
 #: Rows handed over in Python (`relayrl.train(train_dataset=..., val_dataset=...)`) for `source: python`.

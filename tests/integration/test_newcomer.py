@@ -201,3 +201,25 @@ def test_cli_reads_datasets_from_disk_and_by_load_dataset_with_column_mapping(tm
         == 2
     )
     assert not Path("run_bad").exists()
+
+
+def boxed_answer(prompts, completions, answer, **columns):
+    """The math verifier's verdict on the arithmetic task, whose answers are short integers compared exactly."""
+    from relayrl.environments.math_env import extract_boxed
+
+    return [float((extract_boxed(c) or "").strip() == a) for c, a in zip(completions, answer)]
+
+
+def test_a_reward_function_equal_to_the_verifier_reproduces_the_default_run(tmp_path):
+    """Same seed, same task, the verifier's verdict computed by a reward function: the same run, step for step."""
+    small = {**SMALL, "grpo.max_num_steps": 3, "grpo.val_period": 3, "grpo.max_val_samples": 16}
+    small["grpo.val_batch_size"] = 16
+    runs = [
+        relayrl.train(run_dir=tmp_path / "verifier", overrides=small),
+        relayrl.train(reward_fns=[boxed_answer], run_dir=tmp_path / "function", overrides=small),
+    ]
+    lines = [[json.loads(x) for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    rewards = [[m["train/reward"] for m in run if "train/reward" in m] for run in lines]
+    assert len(rewards[0]) == 3 and rewards[0] == rewards[1]
+    assert runs[0].metrics["validation/accuracy"] == runs[1].metrics["validation/accuracy"]
+    assert runs[1].metrics["train/reward/boxed_answer"] == runs[1].metrics["train/reward"]
