@@ -136,7 +136,9 @@ def _train(args: argparse.Namespace) -> int:
     except SetupError as exc:
         return _fail(str(exc))
     except RewardFunctionError as exc:  # the user's reward function: one line naming it and the row
-        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        text = str(exc)  # raised in a Ray actor: Ray's wrapper adds the remote traceback around our line
+        line = next((ln.strip() for ln in text.splitlines() if "reward function '" in ln), text.strip())
+        print(f"relayrl: error: {line[line.find('reward function') :]}; {resume}", file=sys.stderr)
         return 1
     except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"relayrl: {exc}; `relayrl train --run-dir {run_dir}` resumes", file=sys.stderr)

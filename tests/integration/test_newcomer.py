@@ -4,6 +4,7 @@ functions, through `relayrl.train` and through the CLI (issue 17's acceptance)."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,19 @@ def test_a_reward_function_equal_to_the_verifier_reproduces_the_default_run(tmp_
     assert len(rewards[0]) == 3 and rewards[0] == rewards[1]
     assert runs[0].metrics["validation/accuracy"] == runs[1].metrics["validation/accuracy"]
     assert runs[1].metrics["train/reward/boxed_answer"] == runs[1].metrics["train/reward"]
+
+
+@pytest.mark.ray
+def test_a_failing_reward_function_on_ray_is_one_line_too(ray_cluster, tmp_path, monkeypatch, capsys):
+    """On the Ray executor the functions run in the rollout actor; Ray's wrapper around the error is stripped."""
+    (tmp_path / "bad_rewards.py").write_text(
+        "def picky(prompts, completions, answer, **columns):\n    return [1.0 / (int(a) - 50) for a in answer]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--config", str(CONFIGS / "grpo_arith_ray_2cpu.yaml"), "--run-dir", "run"]
+    argv += ["env.reward_fns=[bad_rewards.py:picky]", "grpo.num_prompts_per_step=4", "grpo.val_at_start=false"]
+    argv += ["grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "grpo.max_num_steps=50"]
+    argv += ["policy.train_micro_batch_size=8", "logger.progress_bar=false"]
+    assert main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
+    assert len(err) == 1 and re.search(r"reward function 'picky' failed on dataset row \d+: ZeroDivisionError", err[0])
