@@ -70,22 +70,6 @@ class UserInputs:
     reward_fns: list[Callable[..., Any]] | None = None
 
 
-def build_reward_env(cfg: MasterConfig, inputs: UserInputs) -> EnvironmentInterface | None:
-    """The reward-function environment: `env.reward_fns` (imported now, so a bad path fails before any model
-    loads) followed by the functions given in Python; None when there are none."""
-    from relayrl.environments.reward_fn_env import RewardFunctionEnvironment, load_reward_fn
-
-    fns = [load_reward_fn(entry) for entry in cfg.env.reward_fns] + list(inputs.reward_fns or [])
-    if not fns:
-        return None
-    weights = cfg.env.reward_weights
-    if weights is not None and len(weights) != len(fns):
-        raise ValueError(
-            f"env.reward_weights has {len(weights)} weights for {len(fns)} reward functions; give one each"
-        )
-    return RewardFunctionEnvironment(fns, weights)
-
-
 #: Files of which a Hugging Face tokenizer directory holds at least one.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
@@ -168,13 +152,13 @@ def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) ->
     state on resume. `inputs`: rows and reward functions given in Python."""
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.algorithms.value_loss import MseValueLossFn
-    from relayrl.environments.registry import build_environments
+    from relayrl.environments.registry import build_environments, build_reward_fn_env
     from relayrl.experience.data import build_dataloaders
 
     inputs = inputs or UserInputs()
     check_trainer_executor(cfg)
     check_machine(cfg)
-    reward_env = build_reward_env(cfg, inputs)
+    reward_env = build_reward_fn_env(cfg.env, inputs.reward_fns)  # imported now: a bad path fails before any load
     # One live run per directory (its run and checkpoint directories), checked before anything loads:
     # DirectoryInUseError names the holder's pid.
     checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")

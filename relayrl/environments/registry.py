@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from relayrl.config import REWARD_FNS_TASK, EnvConfig, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
@@ -27,16 +28,33 @@ def _make_reward_model(cfg: EnvConfig) -> EnvironmentInterface:
     return RewardModelEnvironment.from_config(cfg.reward_model)
 
 
-def _make_reward_fns(cfg: EnvConfig) -> EnvironmentInterface:
-    """User reward functions by import path (`env.reward_fns`); `relayrl.train(reward_fns=...)` builds its own."""
+def build_reward_fn_env(
+    cfg: EnvConfig, given: Sequence[Callable[..., Any]] | None = None
+) -> EnvironmentInterface | None:
+    """The reward-function environment: `env.reward_fns` (imported here) followed by the functions given in Python
+    (`relayrl.train(reward_fns=...)`), weighted by `env.reward_weights`; None when there are none."""
     from relayrl.environments.reward_fn_env import RewardFunctionEnvironment, load_reward_fn
 
-    if not cfg.reward_fns:
+    fns = [load_reward_fn(entry) for entry in cfg.reward_fns] + list(given or [])
+    if not fns:
+        return None
+    weights = cfg.reward_weights
+    if weights is not None and len(weights) != len(fns):
+        raise ValueError(
+            f"env.reward_weights has {len(weights)} weights for {len(fns)} reward functions; give one each"
+        )
+    return RewardFunctionEnvironment(fns, weights)
+
+
+def _make_reward_fns(cfg: EnvConfig) -> EnvironmentInterface:
+    """User reward functions by import path (`env.reward_fns`); `relayrl.train(reward_fns=...)` builds its own."""
+    env = build_reward_fn_env(cfg)
+    if env is None:
         raise ValueError(
             f"task {REWARD_FNS_TASK!r} needs reward functions: env.reward_fns=[module:function, ...] "
             "(or reward_fns= in relayrl.train)"
         )
-    return RewardFunctionEnvironment([load_reward_fn(e) for e in cfg.reward_fns], cfg.reward_weights)
+    return env
 
 
 ENV_REGISTRY: dict[str, EnvFactory] = {
