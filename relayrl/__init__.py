@@ -1,6 +1,33 @@
 """relayrl: RL post-training of language models with a sample-keyed data plane.
 
-Kept import-light on purpose: `relayrl --help` and config validation must not pay for torch.
+Kept import-light on purpose: `relayrl --help` and config validation must not pay for torch. `relayrl.train`,
+`relayrl.load_config` and `relayrl.TrainResult` are imported on first use.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["TrainResult", "__version__", "load_config", "train"]
+
+_LAZY = {
+    "train": ("relayrl.algorithms.api", "train"),
+    "TrainResult": ("relayrl.algorithms.api", "TrainResult"),
+    "load_config": ("relayrl.utils.config_io", "load_config"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'relayrl' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

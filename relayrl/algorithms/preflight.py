@@ -31,6 +31,16 @@ def check_machine(cfg: MasterConfig) -> None:
         raise ValueError(
             f"{key} asks for CUDA but torch sees no CUDA device here; set {key}=cpu (or cluster.device=auto)"
         )
+    wanted = [("cluster.executor=ray", "ray", "ray")] if cfg.cluster.executor == "ray" else []
+    if cfg.cluster.executor == "ray":
+        wanted.append(("cluster.executor=ray", "zmq", "ray"))  # pyzmq: the weight refit
+    if cfg.data_plane.enabled and cfg.data_plane.backend == "transfer_queue":
+        wanted.append(("data_plane.backend=transfer_queue", "transfer_queue", "transfer_queue"))
+    for setting, module, extra in wanted:
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(
+                f"{setting} needs the {module} package, which is not installed: pip install 'relayrl[{extra}]'"
+            )
     for key, (module, extra) in _LOGGER_PACKAGES.items():
         if getattr(cfg.logger, key) and importlib.util.find_spec(module) is None:
             raise ValueError(

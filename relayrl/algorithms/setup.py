@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from relayrl.algorithms.preflight import (
 )
 from relayrl.algorithms.protocols import BatchLoader, Generation, Tokenizer
 from relayrl.algorithms.trainer_common import effective_loss_config
-from relayrl.config import MasterConfig
+from relayrl.config import REWARD_FNS_TASK, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, CheckpointManager, GRPOSaveState, load_save_state
 from relayrl.utils.config_io import dump_config
@@ -57,6 +58,16 @@ class RunComponents:
     value: Any = None  # Value, or TQValue on the data plane
     value_loss_fn: LossFunction | None = None
     run_locks: list[DirLock] | None = None  # this run owns its run (and checkpoint) directory while these live
+
+
+@dataclass
+class UserInputs:
+    """What `relayrl.train` hands over beside the config: dataset rows (`data.*.source: python`) and reward
+    functions, which no config file can hold."""
+
+    train_rows: list[dict[str, Any]] | None = None
+    val_rows: list[dict[str, Any]] | None = None
+    reward_fns: list[Callable[..., Any]] | None = None
 
 
 #: Files of which a Hugging Face tokenizer directory holds at least one.
@@ -136,16 +147,18 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: Any, seed:
     )
 
 
-def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
+def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) -> RunComponents:
     """Seed, build data, policy (and critic for PPO), generation, environments, logger and checkpointer; restore
-    state on resume."""
+    state on resume. `inputs`: rows and reward functions given in Python."""
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.algorithms.value_loss import MseValueLossFn
-    from relayrl.environments.registry import build_environments
+    from relayrl.environments.registry import build_environments, build_reward_fn_env
     from relayrl.experience.data import build_dataloaders
 
+    inputs = inputs or UserInputs()
     check_trainer_executor(cfg)
     check_machine(cfg)
+    reward_env = build_reward_fn_env(cfg.env, inputs.reward_fns)  # imported now: a bad path fails before any load
     # One live run per directory (its run and checkpoint directories), checked before anything loads:
     # DirectoryInUseError names the holder's pid.
     checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
@@ -160,9 +173,14 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
     check_model_and_tokenizer(cfg, tokenizer)
     if cfg.algorithm == "ppo":
         _check_value_vocabulary(cfg, tokenizer)
-    dataloader, val_dataloader = build_dataloaders(cfg, tokenizer)
+    dataloader, val_dataloader = build_dataloaders(cfg, tokenizer, (inputs.train_rows, inputs.val_rows))
     task_names = _task_names(dataloader, val_dataloader)
     check_task_environments([cfg.data.train.default_task, *task_names])
+    if reward_env is None and REWARD_FNS_TASK in task_names:
+        raise ValueError(
+            f"rows of task {REWARD_FNS_TASK!r} need reward functions: env.reward_fns=[module:function, ...] "
+            "(or reward_fns= in relayrl.train)"
+        )
     start_ray_for_run(cfg)
     checkpointer = CheckpointManager(cfg.checkpointing, checkpoint_dir)
     last = checkpointer.get_latest_checkpoint_path()
@@ -197,7 +215,7 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
             value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
         policy.shutdown()
         raise
-    task_to_env = build_environments(cfg, task_names)
+    task_to_env = build_environments(cfg, task_names, reward_env)
     loss_fn = ClippedPGLossFn(effective_loss_config(cfg))
 
     logger = Logger(cfg.logger, run_dir, total_steps=cfg.rollout.max_num_steps, start_step=save_state.total_steps)
@@ -232,6 +250,14 @@ def setup(cfg: MasterConfig, run_dir: Path) -> RunComponents:
         value_loss_fn=MseValueLossFn(cfg.value_loss_fn.scale, cfg.value_loss_fn.value_clip) if value else None,
         run_locks=run_locks,
     )
+
+
+def run_banner(cfg: MasterConfig, run_dir: Path) -> str:
+    """The lines printed when a run starts: where it writes, and how to follow it while it runs."""
+    lines = [f"relayrl: {cfg.algorithm.upper()} run in {run_dir}"]
+    if cfg.logger.tensorboard_enabled:
+        lines.append(f"relayrl: follow it with: tensorboard --logdir {run_dir / 'tensorboard'}")
+    return "\n".join(lines)
 
 
 def _weights_error(key: str, source: str, exc: Exception) -> Exception:
@@ -327,17 +353,28 @@ def _task_names(*loaders: object) -> list[str]:
     return names
 
 
-def run_training(cfg: MasterConfig, run_dir: Path) -> dict[str, object]:
-    """setup() then the trainer the config selects; returns a summary with validation accuracy before/after."""
-    existed = run_dir.exists()
+def run_training(
+    cfg: MasterConfig,
+    run_dir: Path,
+    inputs: UserInputs | None = None,
+    *,
+    new_run_dir: bool = False,
+    announce: bool = False,
+) -> dict[str, object]:
+    """setup() then the trainer the config selects; returns a summary with validation accuracy before/after.
+    A set-up that fails removes the run directory if this run made it (it did not exist, or `new_run_dir`: the
+    caller created it empty for this run). `announce` prints `run_banner` once set-up succeeded."""
+    existed = run_dir.exists() and not new_run_dir
     try:
-        c = setup(cfg, run_dir)
+        c = setup(cfg, run_dir, inputs)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
         taken = isinstance(exc, DirectoryInUseError) and exc.directory == run_dir  # another live run's: keep it
         if not existed and not taken:
             shutil.rmtree(run_dir, ignore_errors=True)  # a set-up that failed leaves no run directory behind
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
         raise SetupError(message) from exc
+    if announce:
+        print(run_banner(cfg, run_dir), flush=True)
     try:
         _train(cfg, c)
     finally:

@@ -1,4 +1,4 @@
-"""`relayrl` command line: train, evaluate, plot, export.
+"""`relayrl` command line: train (GRPO or PPO), evaluate, parity, plot, config show, export, replay, diff, inspect.
 
 Bad input (config keys and values, missing paths, unusable datasets) ends with one line on stderr and exit code 2,
 never a traceback; heavy imports happen only after the arguments and the config are known to be good.
@@ -30,10 +30,17 @@ def _fail(message: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import relayrl
+
     p = argparse.ArgumentParser(prog="relayrl", description="RL post-training of language models (GRPO and PPO).")
+    p.add_argument("--version", action="version", version=f"relayrl {relayrl.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train (the embedded default: the shipped model on arithmetic with GRPO)")
+    t = sub.add_parser(
+        "train",
+        help="train with GRPO or PPO (algorithm=ppo, e.g. configs/ppo_arith_tiny.yaml); the embedded default trains "
+        "the shipped model on arithmetic with GRPO",
+    )
     t.add_argument("--config", help="YAML config (see configs/); defaults are the embedded default run")
     t.add_argument("--run-dir", help="run directory; an existing one resumes (default: a new runs/NNN)")
     t.add_argument(
@@ -62,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
     for command in (replay_cli, diff_cli, inspect_cli, export_cli):  # each module adds its parser and its handler
         command.add_parser(sub)
+
+    c = sub.add_parser("config", help="show the resolved config (GRPO or PPO) with every field's description")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    cs = csub.add_parser("show", help="print the resolved config as YAML, each field under its description")
+    cs.add_argument("--config", help="YAML config (default: the embedded default run)")
+    cs.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm=ppo")
     return p
 
 
@@ -78,7 +91,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _evaluate(args)
     if args.command == "parity":
         return _parity(args)
+    if args.command == "config":
+        return _config_show(args)
     return _plot(args)
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from relayrl.utils.config_io import describe_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    sys.stdout.write(describe_config(cfg))
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -99,6 +125,7 @@ def _train(args: argparse.Namespace) -> int:
         _held = lock_run_directories(run_dir, ckpt_dir, create=False)
     except DirectoryInUseError as exc:
         return _fail(str(exc))
+    fresh = run_dir is None
     if run_dir is None:
         run_dir = next_run_dir(cfg.logger.log_dir)
     elif base is not None:
@@ -108,13 +135,19 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.algorithms.setup import SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
+    from relayrl.environments.reward_fn_env import RewardFunctionError
     from relayrl.utils.signals import TrainingInterrupted, exit_code
 
     resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
     try:
-        summary = run_training(cfg, run_dir)
+        summary = run_training(cfg, run_dir, new_run_dir=fresh, announce=True)
     except SetupError as exc:
         return _fail(str(exc))
+    except RewardFunctionError as exc:  # the user's reward function: one line naming it and the row
+        text = str(exc)  # raised in a Ray actor: Ray's wrapper adds the remote traceback around our line
+        line = next((ln.strip() for ln in text.splitlines() if "reward function '" in ln), text.strip())
+        print(f"relayrl: error: {line[line.find('reward function') :]}; {resume}", file=sys.stderr)
+        return 1
     except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"relayrl: {exc}; `relayrl train --run-dir {run_dir}` resumes", file=sys.stderr)
         return exit_code(exc.signum)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from relayrl.config.base import BUILTIN_TINY_MODEL, VALIDATION_METRICS, NonNegFloat, NonNegInt, Strict, UnitFloat
+from relayrl.config.infra import REWARD_FNS_TASK as REWARD_FNS_TASK
 from relayrl.config.infra import (
     ArithmeticConfig,
     CheckpointingConfig,
@@ -61,6 +62,7 @@ from relayrl.config.rollout import (
 __all__ = [
     "BUILTIN_TINY_MODEL",
     "GRPO_LR_SCHEDULE",
+    "REWARD_FNS_TASK",
     "VALIDATION_METRICS",
     "AdamWKwargs",
     "AdvEstimatorConfig",
@@ -279,8 +281,13 @@ class MasterConfig(Strict):
                 )
         if p.generation.max_new_tokens >= p.max_total_sequence_length:
             raise ValueError("policy.generation.max_new_tokens must be < policy.max_total_sequence_length")
-        if self.data.train.source == "file" and not self.data.train.path:
-            raise ValueError("data.train.path is required when data.train.source is 'file'")
+        for key, ds in (("data.train", self.data.train), ("data.validation", self.data.validation)):
+            if ds is not None and ds.source in ("file", "hf") and not ds.path:
+                raise ValueError(f"{key}.path is required when {key}.source is '{ds.source}'")
+        if self.env.reward_fns:  # the reward functions score every row that names no task of its own
+            for ds in (self.data.train, self.data.validation):
+                if ds is not None and "default_task" not in ds.model_fields_set:
+                    ds.default_task = REWARD_FNS_TASK
         return self
 
     # Derived values live here (not as duplicated defaults) so every consumer agrees.

@@ -22,6 +22,7 @@ BUILTIN_TINY_MODEL = "builtin:tiny-arith"
 
 class Strict(BaseModel):
     """Base for every config block: unknown keys are errors, assignments are validated, and the docstring under each
-    field becomes its `Field.description` (tests/unit/config/test_descriptions.py requires one on every field)."""
+    field becomes its `Field.description` (what `relayrl config show` prints; tests/unit/config/test_descriptions.py
+    requires one on every field)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)

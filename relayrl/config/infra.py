@@ -24,20 +24,27 @@ class ArithmeticConfig(Strict):
 
 
 class DatasetConfig(Strict):
-    """One prompt dataset: the built-in arithmetic task or a local file of rows."""
+    """One prompt dataset: the built-in arithmetic task, a local file, a Hugging Face dataset or Python rows."""
 
-    source: Literal["arithmetic", "file"] = "arithmetic"
-    """`arithmetic`: the built-in task (data.arithmetic; its held-out problems when used as validation). `file`:
-    rows read from `path`."""
+    source: Literal["arithmetic", "file", "hf", "python"] = "arithmetic"
+    """Where the prompts come from: the built-in arithmetic task; a JSONL / Parquet `file`; a Hugging Face `hf`
+    dataset (`path` is a directory written by `save_to_disk`, else a name for `datasets.load_dataset`); or
+    `python`: rows handed to `relayrl.train(train_dataset=...)`."""
     path: str | None = None
-    """JSONL or Parquet file (format from the extension) when source == 'file'."""
+    """JSONL or Parquet file (format from the extension) when source == 'file'; for source == 'hf' a
+    `save_to_disk` directory or a dataset name (its cache and HF_DATASETS_OFFLINE are honoured)."""
+    split: str = "train"
+    """source == 'hf': the split to read (a dataset saved or published with several splits)."""
+    subset: str | None = None
+    """source == 'hf': the dataset's configuration name (the second argument of `datasets.load_dataset`)."""
     prompt_field: str = "prompt"
     """Field holding the user prompt text (ignored when `messages_field` is present in a row)."""
     messages_field: str = "messages"
     """Field holding a prompt conversation: a non-empty list of {role, content} strings, used as is (no
     prompt_template); wins over prompt_field when a row has it."""
     answer_field: str = "answer"
-    """Field holding the ground truth the environment scores against (required in every row)."""
+    """Field holding the reference answer: required by rows the math verifier scores, optional otherwise (reward
+    functions receive it, like every other column, as a keyword argument)."""
     task_field: str | None = "task"
     """Field naming a row's task (the environment that scores it, e.g. `math`, `reward_model`); None, or a row
     without it, means default_task."""
@@ -95,11 +102,34 @@ class RewardModelEnvConfig(Strict):
     """How a conversation becomes text: the chat template over role/content, or the contents joined as they are."""
 
 
+#: The task name whose rows the configured reward functions score (`env.reward_fns`, `relayrl.train(reward_fns=)`).
+REWARD_FNS_TASK = "reward_fns"
+
+
 class EnvConfig(Strict):
     math: MathEnvConfig = MathEnvConfig()
     """Settings of the `math` task's verifier."""
     reward_model: RewardModelEnvConfig | None = None
     """Set to enable the `reward_model` task (a learned reward instead of a verifier)."""
+    reward_fns: list[str] = []
+    """Reward functions by import path, `module:function` or `file.py:function`, each called as
+    `f(prompts, completions, **columns) -> list[float]`. When set, they score the rows of task `reward_fns`, which
+    becomes the datasets' default task unless `data.*.default_task` is given; a row's reward is their weighted sum."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (in order); None weighs each 1.0."""
+
+    @model_validator(mode="after")
+    def _reward_fn_paths(self) -> EnvConfig:
+        for entry in self.reward_fns:
+            module, _, name = entry.rpartition(":")
+            if not module or not name:
+                raise ValueError(f"env.reward_fns entry {entry!r} must look like module:function or file.py:function")
+        w = self.reward_weights
+        if w is not None and self.reward_fns and len(w) != len(self.reward_fns):
+            raise ValueError(
+                f"env.reward_weights has {len(w)} weights for {len(self.reward_fns)} env.reward_fns; give one each"
+            )
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------- infrastructure

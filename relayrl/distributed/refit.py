@@ -29,11 +29,13 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import zmq
+
+if TYPE_CHECKING:  # pyzmq is the Ray refit's transport only: imported on use, so a CPU install can leave it out
+    import zmq
 
 RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -123,6 +125,8 @@ def ipc_address(tag: str, directory: str | None = None) -> str:
 
 
 def _socket(ctx: zmq.Context[Any], kind: int, timeout_ms: int) -> zmq.Socket[Any]:
+    import zmq
+
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
@@ -145,6 +149,8 @@ def stream_weights_via_ipc_zmq(
     half = _aligned(max(buffer_size_bytes // 2, 1))
     if buffer_size_bytes < 2 * ALIGN:
         raise ValueError(f"buffer_size_bytes must be at least {2 * ALIGN}, got {buffer_size_bytes}")
+    import zmq
+
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = _socket(ctx, zmq.REQ, timeout_ms)
     sock.bind(address)
@@ -202,6 +208,8 @@ def receive_weights_via_ipc_zmq(
     address: str, state_dict_info: RefitInfo, load_weights: LoadFn, *, timeout_ms: int = DEFAULT_TIMEOUT_MS
 ) -> bool:
     """Receive one refit on `address` and load it; True when every expected tensor arrived and loaded."""
+    import zmq
+
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = _socket(ctx, zmq.REP, timeout_ms)
     sock.connect(address)

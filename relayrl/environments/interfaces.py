@@ -38,5 +38,10 @@ class EnvironmentInterface(ABC):
         """Optional whole-batch metrics (accuracy, pass@k, ...) after a rollout."""
         return batch, {}
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """Metrics gathered over the `step` calls since the last call (then reset), added to the rollout's metrics
+        (e.g. `reward/<name>` per reward function). Most environments report none."""
+        return {}
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook, most environments hold nothing
         """Release worker pools, if any."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from relayrl.config import EnvConfig, MasterConfig
+from relayrl.config import REWARD_FNS_TASK, EnvConfig, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
 
 EnvFactory = Callable[[EnvConfig], EnvironmentInterface]
@@ -27,7 +28,40 @@ def _make_reward_model(cfg: EnvConfig) -> EnvironmentInterface:
     return RewardModelEnvironment.from_config(cfg.reward_model)
 
 
-ENV_REGISTRY: dict[str, EnvFactory] = {"math": _make_math, "reward_model": _make_reward_model}
+def build_reward_fn_env(
+    cfg: EnvConfig, given: Sequence[Callable[..., Any]] | None = None
+) -> EnvironmentInterface | None:
+    """The reward-function environment: `env.reward_fns` (imported here) followed by the functions given in Python
+    (`relayrl.train(reward_fns=...)`), weighted by `env.reward_weights`; None when there are none."""
+    from relayrl.environments.reward_fn_env import RewardFunctionEnvironment, load_reward_fn
+
+    fns = [load_reward_fn(entry) for entry in cfg.reward_fns] + list(given or [])
+    if not fns:
+        return None
+    weights = cfg.reward_weights
+    if weights is not None and len(weights) != len(fns):
+        raise ValueError(
+            f"env.reward_weights has {len(weights)} weights for {len(fns)} reward functions; give one each"
+        )
+    return RewardFunctionEnvironment(fns, weights)
+
+
+def _make_reward_fns(cfg: EnvConfig) -> EnvironmentInterface:
+    """User reward functions by import path (`env.reward_fns`); `relayrl.train(reward_fns=...)` builds its own."""
+    env = build_reward_fn_env(cfg)
+    if env is None:
+        raise ValueError(
+            f"task {REWARD_FNS_TASK!r} needs reward functions: env.reward_fns=[module:function, ...] "
+            "(or reward_fns= in relayrl.train)"
+        )
+    return env
+
+
+ENV_REGISTRY: dict[str, EnvFactory] = {
+    "math": _make_math,
+    "reward_model": _make_reward_model,
+    REWARD_FNS_TASK: _make_reward_fns,
+}
 
 
 def register_env(name: str, factory: EnvFactory) -> None:
@@ -49,11 +83,19 @@ def create_task_to_env(task_names: Iterable[str], cfg: EnvConfig | None = None) 
     return {name: create_env(name, cfg) for name in dict.fromkeys(task_names)}
 
 
-def build_environments(cfg: MasterConfig, task_names: Iterable[str] = ()) -> dict[str, EnvironmentInterface]:
+def build_environments(
+    cfg: MasterConfig, task_names: Iterable[str] = (), reward_fns: EnvironmentInterface | None = None
+) -> dict[str, EnvironmentInterface]:
     """Environments for the configured datasets' default tasks plus `task_names` (e.g. a dataset's `task_names`,
-    which also covers per-row task fields); every name must be registered.
+    which also covers per-row task fields); every name must be registered. `reward_fns`, when given, is the
+    environment of task `reward_fns` (functions handed to `relayrl.train`, which no config can name).
     """
     names = [cfg.data.train.default_task]
     if cfg.data.validation is not None:
         names.append(cfg.data.validation.default_task)
-    return create_task_to_env([*names, *task_names], cfg.env)
+    names = list(dict.fromkeys([*names, *task_names]))
+    if reward_fns is None or REWARD_FNS_TASK not in names:
+        return create_task_to_env(names, cfg.env)
+    envs = create_task_to_env([n for n in names if n != REWARD_FNS_TASK], cfg.env)
+    envs[REWARD_FNS_TASK] = reward_fns
+    return envs

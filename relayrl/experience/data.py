@@ -1,4 +1,5 @@
-"""Prompt datasets and their loaders: the built-in arithmetic task or a local JSONL / Parquet file.
+"""Prompt datasets and their loaders: the built-in arithmetic task, a local JSONL / Parquet file, a Hugging Face
+`datasets` dataset (`source: hf`) or rows handed over in Python (`relayrl.train(train_dataset=...)`).
 
 Every row is checked and tokenized when the dataset is built, so a missing field or an over-long prompt fails at
 start-up with the row named, not hours into a run; nothing is truncated. Each item is one prompt in the form the
@@ -19,7 +20,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from relayrl.config import DataConfig, DatasetConfig, MasterConfig
+from relayrl.config import REWARD_FNS_TASK, DataConfig, DatasetConfig, MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.arithmetic import all_problems, split_problems
 
@@ -29,12 +30,15 @@ _CHUNK = 1024  # prompts rendered and tokenized per call
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One raw prompt: either `prompt` text or a `messages` list, plus its answer and task (environment) name."""
+    """One raw prompt: either `prompt` text or a `messages` list, plus its answer (None when the row has none) and
+    task (environment) name. Rows scored by reward functions keep their other columns and 1-based source row."""
 
-    answer: str
+    answer: str | None
     task: str
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...)
+    columns: dict[str, Any] | None = None
+    row: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- sources
@@ -65,17 +69,61 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def read_hf_rows(cfg: DatasetConfig, key: str) -> list[dict[str, Any]]:
+    """Rows of a `datasets` dataset: `load_from_disk` for a directory it wrote, else `load_dataset(path, subset)`
+    (its cache and HF_DATASETS_OFFLINE honoured); a dataset with several splits is cut to `split`."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"{key}.source=hf needs the datasets package, which is not installed: pip install 'relayrl[datasets]'"
+        ) from None
+    assert cfg.path is not None  # the config refuses source=hf without a path
+    local = Path(cfg.path).expanduser()
+    saved = local.is_dir() and any((local / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+    try:
+        if saved:
+            ds = datasets.load_from_disk(str(local))
+        else:
+            ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
+    except Exception as exc:  # missing name, offline and not cached, unknown split: the library's first line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        how = "load_from_disk" if saved else "load_dataset"
+        raise ValueError(f"{key}.path {cfg.path!r}: datasets.{how} failed ({first})") from None
+    return hf_rows(ds, cfg.split, key)
+
+
+def hf_rows(ds: Any, split: str, key: str) -> list[dict[str, Any]]:
+    """A `datasets.Dataset` (or one split of a `DatasetDict`) as a list of row dicts."""
+    if not hasattr(ds, "to_list"):  # a DatasetDict: pick the split
+        if split not in ds:
+            raise ValueError(f"{key}.split {split!r} is not in the dataset; its splits: {', '.join(sorted(ds))}")
+        ds = ds[split]
+    return [dict(row) for row in ds.to_list()]
+
+
 def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: str) -> list[PromptRecord]:
-    """Validate and convert file rows; errors name the 1-based row and the missing field."""
+    """Validate and convert file rows; errors name the 1-based row and the missing field. `answer` is required only
+    of rows the math verifier scores; rows of the reward-function task keep every column for those functions."""
     if not rows:
         raise ValueError(f"dataset {source} is empty")
     records = []
     for n, row in enumerate(rows, start=1):
-        answer = row.get(cfg.answer_field)
-        if answer is None:
-            raise ValueError(f"dataset {source} row {n}: missing answer field {cfg.answer_field!r}")
+        if not isinstance(row, dict):
+            raise ValueError(f"dataset {source} row {n}: expected a dict of columns, got {type(row).__name__}")
         task = row.get(cfg.task_field) if cfg.task_field else None
         task = str(task) if task is not None else cfg.default_task
+        answer = row.get(cfg.answer_field)
+        if answer is None and task == "math":
+            raise ValueError(
+                f"dataset {source} row {n}: missing answer field {cfg.answer_field!r}, which the math verifier "
+                "scores against; add it, or score with reward functions (env.reward_fns / relayrl.train(reward_fns=))"
+            )
+        answer = str(answer) if answer is not None else None
+        extra: dict[str, Any] = {}
+        if task == REWARD_FNS_TASK:
+            extra["row"] = n
+            extra["columns"] = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.messages_field)}
         messages = row.get(cfg.messages_field)
         if messages is not None:
             if not isinstance(messages, list) or not messages:
@@ -91,9 +139,9 @@ def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: st
                         f"dataset {source} row {n}: every message in {cfg.messages_field!r} needs string role and content"
                     )
                 pairs.append((m["role"], m["content"]))
-            records.append(PromptRecord(answer=str(answer), task=task, messages=tuple(pairs)))
+            records.append(PromptRecord(answer=answer, task=task, messages=tuple(pairs), **extra))
         elif row.get(cfg.prompt_field) is not None:
-            records.append(PromptRecord(answer=str(answer), task=task, prompt=str(row[cfg.prompt_field])))
+            records.append(PromptRecord(answer=answer, task=task, prompt=str(row[cfg.prompt_field]), **extra))
         else:
             raise ValueError(
                 f"dataset {source} row {n}: has neither prompt field {cfg.prompt_field!r} "
@@ -105,19 +153,41 @@ def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: st
 def _arithmetic_records(data: DataConfig, task: str) -> tuple[list[PromptRecord], list[PromptRecord]]:
     a = data.arithmetic
     train, val = split_problems(all_problems(a.min_operand, a.max_operand, a.operations), a.num_val_problems)
-    return [PromptRecord(p.answer, task, prompt=p.problem) for p in train], [
-        PromptRecord(p.answer, task, prompt=p.problem) for p in val
-    ]
+
+    def record(p: Any, n: int) -> PromptRecord:  # reward functions get the answer as a column, like a file's
+        if task != REWARD_FNS_TASK:
+            return PromptRecord(p.answer, task, prompt=p.problem)
+        return PromptRecord(p.answer, task, prompt=p.problem, columns={"answer": p.answer}, row=n)
+
+    return [record(p, n) for n, p in enumerate(train, 1)], [record(p, n) for n, p in enumerate(val, 1)]
 
 
-def load_records(cfg: MasterConfig) -> tuple[list[PromptRecord], list[PromptRecord] | None]:
+#: Rows handed over in Python (`relayrl.train(train_dataset=..., val_dataset=...)`) for `source: python`.
+GivenRows = tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]
+
+
+def _records_of(ds: DatasetConfig, key: str, given: list[dict[str, Any]] | None) -> list[PromptRecord]:
+    """The records of a non-arithmetic dataset, from its file, its `datasets` source or the rows given."""
+    if ds.source == "file":
+        return records_from_rows(read_rows(_path(ds, key)), ds, str(ds.path))
+    if ds.source == "hf":
+        return records_from_rows(read_hf_rows(ds, key), ds, str(ds.path))
+    arg = "train_dataset" if key == "data.train" else "val_dataset"
+    if given is None:
+        raise ValueError(f"{key}.source is 'python' but no rows were given: pass relayrl.train({arg}=...)")
+    return records_from_rows(given, ds, arg)
+
+
+def load_records(
+    cfg: MasterConfig, given: GivenRows = (None, None)
+) -> tuple[list[PromptRecord], list[PromptRecord] | None]:
     """(train, validation) records; validation is None when the config asks for none."""
     data = cfg.data
     train_cfg, val_cfg = data.train, data.validation
     if train_cfg.source == "arithmetic":
         train, val = _arithmetic_records(data, train_cfg.default_task)
     else:
-        train = records_from_rows(read_rows(_path(train_cfg, "data.train")), train_cfg, str(train_cfg.path))
+        train = _records_of(train_cfg, "data.train", given[0])
         val = None
         if val_cfg is None and train_cfg.split_validation_size > 0:
             order = list(range(len(train)))
@@ -132,13 +202,13 @@ def load_records(cfg: MasterConfig) -> tuple[list[PromptRecord], list[PromptReco
         if val_cfg.source == "arithmetic":
             val = _arithmetic_records(data, val_cfg.default_task)[1]
         else:
-            val = records_from_rows(read_rows(_path(val_cfg, "data.validation")), val_cfg, str(val_cfg.path))
+            val = _records_of(val_cfg, "data.validation", given[1])
     return train, val
 
 
 def _path(cfg: DatasetConfig, key: str) -> str:
     if not cfg.path:
-        raise ValueError(f"{key}.path is required when {key}.source is 'file'")
+        raise ValueError(f"{key}.path is required when {key}.source is '{cfg.source}'")
     return cfg.path
 
 
@@ -168,7 +238,7 @@ class PromptDataset(Dataset):
         _check_template(prompt_template)
         self.name = name
         self.num_skipped_overlong = 0
-        self._items: list[tuple[str, torch.Tensor, str, str]] = []  # (rendered, ids [P], answer, task)
+        self._items: list[tuple[str, torch.Tensor, PromptRecord]] = []  # (rendered, ids [P], record)
         conversations = []
         for rec in records:
             if rec.messages is not None:
@@ -196,26 +266,38 @@ class PromptDataset(Dataset):
                         "(data.max_input_seq_length, else policy.max_total_sequence_length - "
                         "policy.generation.max_new_tokens); set data.skip_overlong_prompts to skip such rows"
                     )
-                rec = records[n - 1]
-                self._items.append((text, torch.tensor(ids, dtype=torch.long), rec.answer, rec.task))
+                self._items.append((text, torch.tensor(ids, dtype=torch.long), records[n - 1]))
         if not self._items:
             raise ValueError(f"{name}: all {len(records)} prompts are over the limit of {max_prompt_length} tokens")
         #: Every task (environment) name the rows use, for building the task -> environment map.
-        self.task_names: list[str] = sorted({item[3] for item in self._items})
+        self.task_names: list[str] = sorted({item[2].task for item in self._items})
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        rendered, ids, answer, task = self._items[i]
+        rendered, ids, rec = self._items[i]
         return {
             "message_log": [{"role": "user", "content": rendered, "token_ids": ids.clone()}],
             "length": len(ids),
-            "extra_env_info": {"ground_truth": answer},
-            "task_name": task,
+            "extra_env_info": _env_info(rec),
+            "task_name": rec.task,
             "loss_multiplier": 1.0,
             "idx": i,
         }
+
+
+def _env_info(rec: PromptRecord) -> dict[str, Any]:
+    """What the row's environment reads: the answer as `ground_truth`; for reward functions also the prompt as the
+    dataset gave it (text, or a list of messages), the other columns and the 1-based source row."""
+    info: dict[str, Any] = {"ground_truth": rec.answer} if rec.answer is not None else {}
+    if rec.columns is not None:
+        info["prompt"] = (
+            rec.prompt if rec.prompt is not None else [{"role": r, "content": c} for r, c in rec.messages or ()]
+        )
+        info["columns"] = dict(rec.columns)
+        info["row"] = rec.row
+    return info
 
 
 def _check_template(template: str | None) -> None:
@@ -243,9 +325,11 @@ def rl_collate_fn(rows: list[dict[str, Any]]) -> BatchedDataDict:
 
 
 # ---------------------------------------------------------------------------------------------------- loaders
-def build_datasets(cfg: MasterConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+def build_datasets(
+    cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None)
+) -> tuple[PromptDataset, PromptDataset | None]:
     """The train dataset and, when configured, the validation dataset."""
-    train_records, val_records = load_records(cfg)
+    train_records, val_records = load_records(cfg, given)
     common = {
         "max_prompt_length": cfg.max_prompt_length,
         "system_prompt": cfg.data.system_prompt,
@@ -258,9 +342,11 @@ def build_datasets(cfg: MasterConfig, tokenizer: Any) -> tuple[PromptDataset, Pr
     return train, val
 
 
-def build_dataloaders(cfg: MasterConfig, tokenizer: Any) -> tuple[StatefulDataLoader, StatefulDataLoader | None]:
+def build_dataloaders(
+    cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None)
+) -> tuple[StatefulDataLoader, StatefulDataLoader | None]:
     """Train loader (seeded shuffle, whole batches only, resumable mid-epoch) and validation loader (in order)."""
-    train, val = build_datasets(cfg, tokenizer)
+    train, val = build_datasets(cfg, tokenizer, given)
     g = cfg.rollout
     batch_size = g.prompts_per_batch
     if len(train) < batch_size:

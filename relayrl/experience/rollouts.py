@@ -150,7 +150,7 @@ def run_multi_turn_rollout(
     total_tokens = torch.tensor([sum(len(m["token_ids"]) for m in msgs) for msgs in batch["message_log"]])
     turns_t = torch.tensor(turns, dtype=torch.long)  # [B]
     gen_tokens_t = torch.tensor(gen_tokens, dtype=torch.long)  # [B]
-    metrics = {
+    metrics: dict[str, Any] = {
         "total_turns": int(turns_t.sum()),
         "avg_turns_per_sample": _mean(turns_t),
         "max_turns_per_sample": int(turns_t.max()) if n else 0,
@@ -162,6 +162,8 @@ def run_multi_turn_rollout(
         "max_gen_tokens_per_sample": int(gen_tokens_t.max()) if n else 0,
         "mean_env_tokens_per_sample": _mean(torch.tensor(env_tokens, dtype=torch.long)),
     }
+    for env in {id(e): e for e in task_to_env.values()}.values():  # e.g. reward/<name> per reward function
+        metrics.update(env.rollout_metrics())
     return batch, metrics
 
 

@@ -6,12 +6,13 @@ Every failure becomes one `ConfigError` line naming the offending key, which the
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from relayrl.config import MasterConfig
 from relayrl.config.nemo_layout import NemoLayoutError, notice_line, translate_nemo_layout
@@ -30,8 +31,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     relayrl's (`config.nemo_layout`: its unused keys named on one stderr line, once per process), validate."""
     raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
+        key, value = parse_override(item)
+        set_override(raw, key, value)
     try:
         translated = translate_nemo_layout(raw)
     except NemoLayoutError as exc:
@@ -87,7 +88,8 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
+    """`key.sub=value` -> (key, value parsed as YAML)."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key.subkey=value")
     key, text = item.split("=", 1)
@@ -101,7 +103,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+def set_override(raw: dict[str, Any], key: str, value: Any, merge: bool = False) -> None:
+    """Set dotted `key` in the raw config dict; with `merge`, a dict value merges into a section already there."""
     node = raw
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -111,7 +114,8 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"cannot set {key}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
-    node[parts[-1]] = value
+    old = node.get(parts[-1])
+    node[parts[-1]] = _deep_merge(old, value) if merge and isinstance(old, dict) and isinstance(value, dict) else value
 
 
 def _one_line(exc: ValidationError) -> str:
@@ -199,3 +203,39 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def describe_config(cfg: BaseModel) -> str:
+    """The resolved config as YAML that `--config` reads back, each field preceded by its description as comments
+    (a field without one has none); what `relayrl config show` prints."""
+    lines: list[str] = []
+    _describe(cfg, 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _describe(model: BaseModel, depth: int, lines: list[str]) -> None:
+    indent = "  " * depth
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        text = " ".join((info.description or "").split())
+        if text:
+            width = max(40, 118 - len(indent))
+            lines.extend(f"{indent}# {part}" for part in textwrap.wrap(text, width))
+        if isinstance(value, BaseModel):
+            lines.append(f"{indent}{name}:")
+            _describe(value, depth + 1, lines)
+        else:
+            dumped = yaml.safe_dump(_plain(value), default_flow_style=True, width=10_000).strip()
+            dumped = dumped.removesuffix("\n...").removesuffix("...").strip()
+            lines.append(f"{indent}{name}: {dumped}")
+
+
+def _plain(value: Any) -> Any:
+    """A field value as YAML-safe data (models inside lists or dicts as their JSON dumps)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value

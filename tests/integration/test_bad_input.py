@@ -33,6 +33,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "foo_task.jsonl").write_text(
         "".join(json.dumps({"prompt": "1+1", "answer": "2", "task": "foo"}) + "\n" for _ in range(8))
     )
+    (root / "no_answer.jsonl").write_text("".join(json.dumps({"prompt": "1+1"}) + "\n" for _ in range(8)))
     (root / "bad.jinja").write_text("{% for m in messages %}{{ m.content }")
     no_tokenizer = root / "no_tokenizer"
     no_tokenizer.mkdir()
@@ -42,7 +43,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(model, damaged)
     (damaged / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:1000])
     (root / "a_file").write_text("not a model")
-    for name in ("list", "broken", "a", "empty", "rows", "foo_task", "bad", "no_tokenizer", "damaged", "a_file"):
+    names = (
+        "list",
+        "broken",
+        "a",
+        "empty",
+        "rows",
+        "foo_task",
+        "bad",
+        "no_tokenizer",
+        "damaged",
+        "a_file",
+        "no_answer",
+    )
+    for name in names:
         out[name] = next(p for p in root.iterdir() if p.stem == name or p.name == name)
     return out
 
@@ -103,6 +117,15 @@ CASES: list[tuple[list[str], str]] = [
     (["train", *SMALL, "policy.model_name={a_file}"], "model path is not a directory"),
     (["train", *SMALL, "policy.model_name={no_tokenizer}"], "has no tokenizer files"),
     (["train", *SMALL, "policy.model_name={damaged}"], "its weights could not be loaded"),
+    (["train", *SMALL, "data.train.source=file", "data.train.path={no_answer}"], "missing answer field 'answer'"),
+    (["train", "data.train.source=hf"], "data.train.path is required when data.train.source is 'hf'"),
+    (["train", *SMALL, "data.train.source=python"], "pass relayrl.train(train_dataset=...)"),
+    (["train", "env.reward_fns=[rewards]"], "must look like module:function"),
+    (["train", "env.reward_fns=[a:f]", "env.reward_weights=[1, 2]"], "2 weights for 1 env.reward_fns"),
+    (["train", *SMALL, "env.reward_fns=[no_such_module_xyz:f]"], "no module named 'no_such_module_xyz'"),
+    (["train", *SMALL, "env.reward_fns=[{root}/missing.py:f]"], "does not exist"),
+    (["train", *SMALL, "data.train.default_task=reward_fns"], "need reward functions"),
+    (["config", "show", "grpo.nope=1"], "unknown config key: grpo.nope"),
     (["evaluate", "--checkpoint", "{root}/missing_ckpt"], "checkpoint directory does not exist"),
     (["parity", "--steps", "0"], "--steps must be >= 1"),
 ]
@@ -127,3 +150,10 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, files, tmp_path, capsy
 
 def test_the_table_covers_at_least_thirty_mistakes():
     assert len(CASES) >= 30
+
+
+def test_a_failed_set_up_leaves_no_numbered_run_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *SMALL, f"policy.model_name={tmp_path}/missing_model"]) == 2
+    assert "model path does not exist" in capsys.readouterr().err
+    assert not any(p.name.isdigit() for p in (tmp_path / "runs").iterdir()), "runs/NNN left behind"

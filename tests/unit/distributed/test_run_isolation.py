@@ -101,7 +101,7 @@ def test_a_remote_time_out_during_training_is_one_line_exit_1(capsys, tmp_path, 
     import relayrl.algorithms.setup as setup_mod
     from relayrl.cli.main import main
 
-    def stuck(cfg: Any, run_dir: Path) -> dict[str, object]:
+    def stuck(cfg: Any, run_dir: Path, *args: Any, **kwargs: Any) -> dict[str, object]:
         raise RemoteTimeoutError("PolicyWorker ranks [1] did not finish 'train' within 5s (cluster.call_timeout_s)")
 
     monkeypatch.setattr(setup_mod, "run_training", stuck)
