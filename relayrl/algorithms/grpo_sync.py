@@ -58,6 +58,7 @@ __all__ = [
     "_compute_seq_logprob_error_metrics",
     "_raise_if_message_level_advantage_penalties_enabled",
     "grpo_train_sync",
+    "raise_if_message_level_advantage_penalties_enabled",
     "validate_sync",
 ]
 
@@ -129,9 +130,7 @@ class GRPOSyncSteps:
     def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
         timer, g = self.timer, self.g
         self.num_gen_batches += 1
-        with timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
-            repeated = batch.repeat_interleave(g.num_generations_per_prompt)
-        meta, carry, rollout_metrics = self._generate(repeated)
+        meta, carry, rollout_metrics = self._generate(batch)
         carry["total_reward"], drop = guard_rewards(carry["total_reward"], g.num_generations_per_prompt, self.cfg, step)
         if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
             carry["non_finite_drop"] = drop
@@ -187,9 +186,11 @@ class GRPOSyncSteps:
         self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
         return StepOutput(metrics, carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log))
 
-    def _generate(self, repeated: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float]]:
+    def _generate(self, batch: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float]]:
         """One actor call rolls out, scores, flattens and writes the bulk to the store; the carry comes back."""
         g, policy = self.g, self.policy
+        with self.timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
+            repeated = batch.repeat_interleave(g.num_generations_per_prompt)
         with self.timer.time("prepare_for_generation/total"):
             self.generation.prepare_for_generation()
         with self.timer.time("generation"):
@@ -302,7 +303,7 @@ class GRPOSyncSteps:
 
     def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> None:
         """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle."""
-        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self.actor.data_plane_metrics(reset=True)])
+        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self._rollout_store_metrics()])
         metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + self.carry_bytes)
         metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
         metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(metrics["store_bytes_written"], 1.0)
@@ -310,8 +311,12 @@ class GRPOSyncSteps:
         metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
         self.logger.log_metrics(dp_metrics, step)
 
+    def _rollout_store_metrics(self) -> dict[str, float]:
+        """The rollout's store counters since the step began (the actor's client: it wrote the bulk)."""
+        return self.actor.data_plane_metrics(reset=True)
 
-def _raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
+
+def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
     """Raise NotImplementedError naming the message-level advantage penalty keys set (`grpo.invalid_tool_call_advantage`,
     `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings): they need per-message token spans,
     which only the legacy trainer has."""
@@ -322,6 +327,11 @@ def _raise_if_message_level_advantage_penalties_enabled(master_config: MasterCon
             f"message-level advantage penalties ({names}) are not supported with data_plane.enabled=true; "
             "disable them or use the legacy trainer (data_plane.enabled=false)"
         )
+
+
+_raise_if_message_level_advantage_penalties_enabled = (
+    raise_if_message_level_advantage_penalties_enabled  # reference name
+)
 
 
 def _train_fields_for_step(skip_prev_logprobs: bool, skip_reference_logprobs: bool = False) -> list[str]:

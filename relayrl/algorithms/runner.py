@@ -62,6 +62,7 @@ class LoopParts:
     policy_generation: Generation
     checkpointer: Checkpointer
     logger: TrainLogger
+    save_extra: Callable[[Path], None] | None = None  # trainer state beyond weights/loader/RNG (async: rollouts)
 
 
 def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
@@ -136,6 +137,7 @@ def save_checkpoint(
     state: GRPOSaveState,
     cfg: MasterConfig,
     metrics_for_ranking: dict[str, Metrics],
+    save_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write step_N atomically: tmp dir, weights/optimizer/tokenizer, dataloader and RNG state, then rename."""
     info: dict[str, object] = dataclasses.asdict(state)
@@ -154,6 +156,8 @@ def save_checkpoint(
     save_state_file(tmp / DATALOADER_STATE, dataloader.state_dict())  # safetensors + JSON: nothing to unpickle
     rng = {"global": capture_rng_state(), "generation": policy_generation.get_rng_state()}
     save_state_file(tmp / RNG_STATE, rng)
+    if save_extra is not None:
+        save_extra(tmp)
     return checkpointer.finalize_checkpoint(tmp)
 
 
@@ -180,6 +184,7 @@ class StepTail:
                 state=p.state,
                 cfg=p.cfg,
                 metrics_for_ranking={"val": val_metrics, "train": metrics},
+                save_extra=p.save_extra,
             )
         self.saved_step = step
         return True

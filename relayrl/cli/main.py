@@ -97,6 +97,7 @@ def _train(args: argparse.Namespace) -> int:
         problem = _check_resume(base, cfg, run_dir, args.allow_inexact_resume)
         if problem:
             return _fail(problem)
+    from relayrl.algorithms.async_rollouts import ProducerDiedError
     from relayrl.algorithms.setup import SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
@@ -118,6 +119,9 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     except RemoteTimeoutError as exc:  # a remote wait past its deadline (the message names it and the key)
         print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
+        return 1
+    except ProducerDiedError as exc:  # async GRPO's rollout producer raised: one line, and how to continue
+        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
     except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # raised in an actor: + its trace

@@ -140,6 +140,7 @@ class SyncRolloutActor:
         compact: bool = False,
         wire: bool = False,
         text_rows: int | None = None,
+        row_tags: Mapping[str, Any] | None = None,
     ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
         """Roll out `input_batch` (already repeat-interleaved: the `group_size` rows of a prompt are contiguous),
         write its bulk to `partition_id`, return `(meta, driver_carry, rollout_metrics, generation_metrics)`.
@@ -151,6 +152,7 @@ class SyncRolloutActor:
         returns the carry in its wire form (`encode_carry`; the driver decodes it with `decode_carry`), the
         smallest exact encoding. `text_rows` builds the opt-in text values only for the first `text_rows` rows
         (the rest are None): the driver logs a few samples, so the whole batch's text need not cross to it.
+        `row_tags` are stored as every row's tags (asynchronous GRPO stamps the generating `weight_version`).
         """
         n_rows = _check_rows(input_batch)
         num_prompts = _check_grouping(n_rows, group_size)
@@ -194,6 +196,7 @@ class SyncRolloutActor:
             extra_info={ROLLOUT_METRICS: dict(rollout_metrics)},
             task_name=partition_id,
             pad_to_multiple=cfg.policy.make_sequence_length_divisible_by,
+            tags=None if row_tags is None else [dict(row_tags) for _ in keys],
         )
 
         if finish_generation:
