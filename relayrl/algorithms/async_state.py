@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from relayrl.algorithms.async_rollouts import CLAIM_TASK, ProducedBatch, ProducerState
 from relayrl.config import MasterConfig
 from relayrl.data_plane.column_io import first_write, read_columns
@@ -43,7 +45,10 @@ def save_producer_state(path: Path, state: ProducerState, rng: Any, client: Data
                 "extra_info": meta.extra_info,
                 "task_name": meta.task_name,
                 "rows": {k: v for k, v in rows.items()},
-                "wire_carry": b.wire_carry,
+                "wire_carry": {
+                    **b.wire_carry,
+                    "dtypes": {k: _dtype_name(v) for k, v in b.wire_carry["dtypes"].items()},
+                },
                 "rollout_metrics": b.rollout_metrics,
                 "store_metrics": b.store_metrics,
                 "generation_s": b.generation_s,
@@ -91,7 +96,8 @@ def load_producer_state(
             continue
         produced = ProducedBatch(
             index=int(b["index"]), epoch=int(b["epoch"]), version=int(b["version"]), meta=meta,
-            wire_carry=b["wire_carry"], rollout_metrics=b["rollout_metrics"], store_metrics=b["store_metrics"],
+            wire_carry={**b["wire_carry"], "dtypes": {k: getattr(torch, v) for k, v in b["wire_carry"]["dtypes"].items()}},
+            rollout_metrics=b["rollout_metrics"], store_metrics=b["store_metrics"],
             generation_s=float(b["generation_s"]),
         )  # fmt: skip
         produced.rows = b["rows"]  # written back into the store by restore_batches
@@ -106,6 +112,10 @@ def load_producer_state(
         next_index=next_index, epoch=int(raw["epoch"]), version=done, ready=ready, announced=announced
     )
     return state, raw["rng"], dropped
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def restore_batches(batches: list[ProducedBatch], client: DataPlaneClient, group_size: int) -> None:
