@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     pa.add_argument("--steps", type=int, default=5, help="training steps per trainer (default 5)")
     pa.add_argument("--tolerance", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)")
     pa.add_argument("--out", help="directory for both runs (default: a new runs/NNN)")
+    pa.add_argument(
+        "--async",
+        dest="async_grpo",
+        action="store_true",
+        help="compare the data-plane trainer with async GRPO at max_trajectory_age_steps=0 instead (GRPO only)",
+    )
     pa.add_argument("overrides", nargs="*")
 
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
@@ -202,7 +208,7 @@ def _parity(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else next_run_dir("runs")
     try:
-        report = run_parity(cfg, out, steps=args.steps)
+        report = run_parity(cfg, out, steps=args.steps, async_grpo=args.async_grpo)
     except SetupError as exc:
         return _fail(str(exc))
     worst = sorted(report["max_abs_diff"].items(), key=lambda kv: -kv[1])
