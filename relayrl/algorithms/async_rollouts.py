@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,9 +84,10 @@ class RolloutProducer:
         cfg: MasterConfig,
         state: ProducerState,
         carry_keys: list[str],
+        after_rollout: Callable[[KVBatchMeta], KVBatchMeta] | None = None,
     ) -> None:
         self.actor, self.engine, self.pin, self.loader, self.cfg = actor, engine, pin, loader, cfg
-        self.carry_keys = carry_keys
+        self.carry_keys, self.after_rollout = carry_keys, after_rollout
         g = cfg.grpo
         self.age_bound = g.async_grpo.max_trajectory_age_steps
         self.group_size, self.rows = g.num_generations_per_prompt, g.rows_per_step
@@ -269,6 +270,8 @@ class RolloutProducer:
             text_rows=self.cfg.logger.num_train_samples_to_log,
             row_tags={"weight_version": version},
         )
+        if self.after_rollout is not None:  # work on the batch that does not depend on training (reference pass)
+            meta = self.after_rollout(meta)
         return ProducedBatch(
             index=index,
             epoch=self._epoch,

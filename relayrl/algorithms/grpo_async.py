@@ -28,6 +28,7 @@ from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.validation import Envs, sync_validator
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.data_plane.schema import REFERENCE_POLICY_LOGPROBS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.ray_rollout import rollout_actor_cls
@@ -138,11 +139,21 @@ class GRPOAsyncSteps(GRPOSyncSteps):
         self.age_bound = cfg.grpo.async_grpo.max_trajectory_age_steps
         self.producer = RolloutProducer(
             actor=producer_actor, engine=engine, pin=pin, loader=loader, cfg=cfg, state=state,
-            carry_keys=self.carry_keys,
+            carry_keys=self.carry_keys, after_rollout=self._reference_pass if self._reference_in_producer() else None,
         )  # fmt: skip
+        self.reference_in_step = not self._reference_in_producer()
         self.dropped_groups = dropped_groups  # reported with the next step's metrics
         self._index = 0
         self._batch: ProducedBatch | None = None
+
+    def _reference_in_producer(self) -> bool:
+        return self.cfg.grpo.async_grpo.reference_logprobs_in_producer and not self.skip_ref
+
+    def _reference_pass(self, meta: KVBatchMeta) -> KVBatchMeta:
+        """Producer thread: the frozen reference model's log-probs of a fresh batch, written under its keys (the
+        policy's reference copy is its own module, untouched by training)."""
+        self.policy.get_reference_policy_logprobs_from_meta(meta)
+        return meta.with_fields([REFERENCE_POLICY_LOGPROBS])
 
     def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
         self._index = step

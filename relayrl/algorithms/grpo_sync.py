@@ -114,6 +114,7 @@ class GRPOSyncSteps:
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
         self.train_fields = _train_fields_for_step(self.skip_prev, self.skip_ref)
+        self.reference_in_step = True  # False when the rollout side already wrote them (the async producer)
         self.carry_keys = rollout_carry_keys(
             _CARRY, cfg.grpo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
         )
@@ -153,7 +154,7 @@ class GRPOSyncSteps:
                 self.policy.prepare_for_lp_inference()
             if not self.skip_prev:
                 self.policy.get_logprobs_from_meta(meta, timer=timer)
-            if not self.skip_ref:
+            if not self.skip_ref and self.reference_in_step:
                 self.policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
         seq_err_metrics: dict[str, float] = {}
         if not self.skip_prev:  # reduced per row on the workers: [B] floats reach the driver, not [B, S] columns
