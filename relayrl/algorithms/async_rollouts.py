@@ -57,6 +57,7 @@ class ProducedBatch:
     rollout_metrics: dict[str, Any]
     store_metrics: dict[str, float] = field(default_factory=dict)  # the producer client's counters for its writes
     generation_s: float = 0.0
+    generation_cpu_s: float = 0.0  # the producer thread's CPU time for this batch (rollout, scoring, reference pass)
     rows: dict[str, torch.Tensor] | None = None  # a restored batch's rows until they are back in the store
 
 
@@ -251,7 +252,7 @@ class RolloutProducer:
 
     def _generate(self, index: int, batch: BatchedDataDict, version: int) -> ProducedBatch:
         """Roll batch `index` out into its own partition; tag every row with the version that generated it."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         partition = partition_for(index)
         client = self.actor.client  # type: ignore[attr-defined]  # the local actor's store client
         client.register_partition(
@@ -281,6 +282,7 @@ class RolloutProducer:
             rollout_metrics=rollout_metrics,
             store_metrics=self.actor.data_plane_metrics(reset=True),
             generation_s=time.perf_counter() - start,
+            generation_cpu_s=time.thread_time() - cpu_start,
         )
 
 

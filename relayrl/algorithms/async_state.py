@@ -52,6 +52,7 @@ def save_producer_state(path: Path, state: ProducerState, rng: Any, client: Data
                 "rollout_metrics": b.rollout_metrics,
                 "store_metrics": b.store_metrics,
                 "generation_s": b.generation_s,
+                "generation_cpu_s": b.generation_cpu_s,
             }
         )
     save_state_file(
@@ -99,6 +100,7 @@ def load_producer_state(
             wire_carry={**b["wire_carry"], "dtypes": {k: getattr(torch, v) for k, v in b["wire_carry"]["dtypes"].items()}},
             rollout_metrics=b["rollout_metrics"], store_metrics=b["store_metrics"],
             generation_s=float(b["generation_s"]),
+            generation_cpu_s=float(b["generation_cpu_s"]),
         )  # fmt: skip
         produced.rows = b["rows"]  # written back into the store by restore_batches
         ready.append(produced)

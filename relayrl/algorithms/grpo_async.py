@@ -162,7 +162,8 @@ class GRPOAsyncSteps(GRPOSyncSteps):
         self._publish(step)
         out.metrics.update(self._staleness_metrics(step, self._batch))
         # the producer's own clock for this batch (overlapped with an earlier step's training)
-        self.logger.log_metrics({"producer_generation": self._batch.generation_s}, step, prefix="timing/async")
+        producer = {"producer_generation": self._batch.generation_s, "producer_cpu": self._batch.generation_cpu_s}
+        self.logger.log_metrics(producer, step, prefix="timing/async")
         self._batch = None
         return out
 
