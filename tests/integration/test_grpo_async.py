@@ -80,6 +80,28 @@ def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_di
         assert resumed[step] == reference[step], f"step {step} differs after resume"
 
 
+def test_sigkill_with_rollouts_in_flight_across_an_epoch_end(tmp_path, tiny_model_dir):
+    """3 batches per epoch, 2 epochs: after step 2, batch 3 (epoch 0's last) and batch 4 (epoch 1's first) are in
+    flight; the resumed run ends the epoch where the uninterrupted one did and logs the same metrics."""
+    small = (
+        "data.arithmetic.max_operand=13",  # 4 x 4 x 2 = 32 problems, 20 held out: 12 prompts, 3 batches of 4
+        "data.arithmetic.num_val_problems=20",
+        "grpo.max_num_epochs=2",
+        "grpo.max_num_steps=100",
+        "grpo.val_period=3",
+    )
+    overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC, *small)
+    reference = _run(tmp_path, tiny_model_dir, "uninterrupted", *ASYNC, *small)
+    assert sorted(reference) == list(range(1, 7))
+    run_dir = tmp_path / "killed"
+    argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides]
+    sigkill_after_checkpoint(argv, run_dir / "checkpoints" / "step_2")
+    saved = load_state_file(run_dir / "checkpoints" / "step_2" / ASYNC_STATE)
+    assert [(b["index"], b["epoch"]) for b in saved["batches"]] == [(3, 0), (4, 1)]
+    assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
+    assert _metrics(run_dir) == reference
+
+
 def test_resume_with_a_tighter_bound_drops_and_counts_stale_groups(tmp_path, tiny_model_dir):
     """A checkpoint taken with d = 1 holds batches 3 (version 1) and 4 (version 2); resumed with d = 0, step 3 may
     only train on version-2 samples, so both batches are dropped (4 groups each), counted, and regenerated from the
