@@ -21,6 +21,7 @@ a fresh subprocess; the first `--warmup` steps of every run are discarded.
 Run (about 2.5 minutes on a quiet 2-core CPU, up to 5 when the box is shared):
 
     HF_HUB_OFFLINE=1 python bench/trl_vs_relayrl.py --steps 20 --rounds 2
+    HF_HUB_OFFLINE=1 python bench/trl_vs_relayrl.py --steps 6 --rounds 1 --model-size 25m   # ~25M parameters
 
 `--relayrl-override KEY=VALUE` (repeatable) adds relayrl config overrides, e.g. to measure a candidate speed-up.
 Besides wall time, both sides report CPU seconds per step and per phase, which a shared box disturbs far less.
@@ -44,13 +45,20 @@ KL_BETA, SEED = 0.04, 42
 
 
 # ---------------------------------------------------------------------------------------------------- shared
-def build_model_dir(path: Path) -> int:
-    """Save the random tiny Qwen2 + char tokenizer once; returns the parameter count."""
+#: `--model-size`: `tiny` is build_tiny_qwen2's defaults (hidden 128, 4 heads, 4 KV heads, MLP 512, tied
+#: embeddings) with 2 layers (~0.56M parameters); `25m` widens it (hidden 512, 6 layers, 8 heads, MLP 2048).
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(num_layers=2),
+    "25m": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, intermediate_size=2048),
+}
+
+
+def build_model_dir(path: Path, size: str = "tiny") -> int:
+    """Save the random Qwen2 of `size` + char tokenizer once; returns the parameter count."""
     from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_parameters, save_tiny_model
 
     tokenizer = build_char_tokenizer()
-    # build_tiny_qwen2's defaults (hidden 128, 4 heads, 4 KV heads, MLP 512, tied embeddings), 2 layers
-    model = build_tiny_qwen2(len(tokenizer), num_layers=2, seed=SEED)
+    model = build_tiny_qwen2(len(tokenizer), seed=SEED, **MODEL_SIZES[size])  # type: ignore[arg-type]
     save_tiny_model(path, model, tokenizer)
     return count_parameters(model)
 
@@ -346,6 +354,7 @@ def main() -> None:
     p.add_argument(
         "--relayrl-override", action="append", default=[], metavar="KEY=VALUE", help="extra relayrl override (repeat)"
     )
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES), help="tiny (0.56M) or 25m parameters")
     p.add_argument("--worker", choices=["trl", "relayrl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -356,11 +365,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench_trl_vs_relayrl_") as tmp:
         model_dir = str(Path(tmp) / "tiny-qwen2")
-        n_params = build_model_dir(Path(model_dir))
+        n_params = build_model_dir(Path(model_dir), args.model_size)
         from relayrl.models.fast.kernels import load_cpu_kernels
 
         load_cpu_kernels()  # build relayrl's compiled CPU kernels now (cached), not inside a timed run
-        print(f"model: random Qwen2 h128 L2 4 heads, {n_params:,} params; {NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
+        dims = ", ".join(f"{k}={v}" for k, v in MODEL_SIZES[args.model_size].items())
+        print(f"model: random Qwen2 ({args.model_size}: {dims}), {n_params:,} params; ", end="")
+        print(f"{NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
         print(f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}, 1 thread, fp32; ", end="")
         print(f"{args.rounds} rounds x {args.steps} steady steps (+{args.warmup} warm-up) each")
         runs: dict[str, list[dict[str, Any]]] = {"trl": [], "relayrl": []}

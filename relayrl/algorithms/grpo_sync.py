@@ -50,6 +50,7 @@ from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
+from relayrl.experience.flight_recorder import RecordRequest
 from relayrl.experience.ray_rollout import rollout_actor_cls  # SyncRolloutActor, or a Ray actor on Ray
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
@@ -61,6 +62,7 @@ __all__ = [
     "_compute_seq_logprob_error_metrics",
     "_raise_if_message_level_advantage_penalties_enabled",
     "grpo_train_sync",
+    "raise_if_message_level_advantage_penalties_enabled",
     "validate_sync",
 ]
 
@@ -119,6 +121,7 @@ class GRPOSyncSteps:
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
         self.train_fields = _train_fields_for_step(self.skip_prev, self.skip_ref)
+        self.reference_in_step = True  # False when the rollout side already wrote them (the async producer)
         self.carry_keys = rollout_carry_keys(
             _CARRY, cfg.grpo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
         )
@@ -136,10 +139,7 @@ class GRPOSyncSteps:
     def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
         timer, g = self.timer, self.g
         self.num_gen_batches += 1
-        with timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
-            repeated = batch.repeat_interleave(g.num_generations_per_prompt)
-        self.kv_sync.before_first_refit(repeated)
-        meta, carry, rollout_metrics = self._generate(repeated)
+        meta, carry, rollout_metrics = self._generate(batch)
         carry["total_reward"], drop = guard_rewards(carry["total_reward"], g.num_generations_per_prompt, self.cfg, step)
         if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
             carry["non_finite_drop"] = drop
@@ -162,7 +162,7 @@ class GRPOSyncSteps:
                 self.policy.prepare_for_lp_inference()
             if not self.skip_prev:
                 self.policy.get_logprobs_from_meta(meta, timer=timer)
-            if not self.skip_ref:
+            if not self.skip_ref and self.reference_in_step:
                 self.policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
         seq_err_metrics: dict[str, float] = {}
         if not self.skip_prev:  # reduced per row on the workers: [B] floats reach the driver, not [B, S] columns
@@ -186,7 +186,7 @@ class GRPOSyncSteps:
                 request = self.recorder.request(
                     step, self.train_fields, cols, self.recorder.info(step, rollout_metrics)
                 )
-                self.actor.record_step(meta, request)
+                self._record(meta, request)
         self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
         metrics = step_metrics(
             train_results=train_results,
@@ -205,9 +205,16 @@ class GRPOSyncSteps:
         self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
         return StepOutput(metrics, carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log))
 
-    def _generate(self, repeated: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float]]:
+    def _record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
+        """The flight recorder's file of this step, written by the actor that holds its rows."""
+        self.actor.record_step(meta, request)
+
+    def _generate(self, batch: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float]]:
         """One actor call rolls out, scores, flattens and writes the bulk to the store; the carry comes back."""
         g, policy = self.g, self.policy
+        with self.timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
+            repeated = batch.repeat_interleave(g.num_generations_per_prompt)
+        self.kv_sync.before_first_refit(repeated)
         with self.timer.time("prepare_for_generation/total"):
             self.generation.prepare_for_generation()
         with self.timer.time("generation"):
@@ -320,7 +327,7 @@ class GRPOSyncSteps:
 
     def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> None:
         """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle."""
-        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self.actor.data_plane_metrics(reset=True)])
+        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self._rollout_store_metrics()])
         metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + self.carry_bytes)
         metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
         metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(metrics["store_bytes_written"], 1.0)
@@ -328,8 +335,12 @@ class GRPOSyncSteps:
         metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
         self.logger.log_metrics(dp_metrics, step)
 
+    def _rollout_store_metrics(self) -> dict[str, float]:
+        """The rollout's store counters since the step began (the actor's client: it wrote the bulk)."""
+        return self.actor.data_plane_metrics(reset=True)
 
-def _raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
+
+def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
     """Raise NotImplementedError naming the message-level advantage penalty keys set (`grpo.invalid_tool_call_advantage`,
     `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings): they need per-message token spans,
     which only the legacy trainer has."""
@@ -340,6 +351,11 @@ def _raise_if_message_level_advantage_penalties_enabled(master_config: MasterCon
             f"message-level advantage penalties ({names}) are not supported with data_plane.enabled=true; "
             "disable them or use the legacy trainer (data_plane.enabled=false)"
         )
+
+
+_raise_if_message_level_advantage_penalties_enabled = (
+    raise_if_message_level_advantage_penalties_enabled  # reference name
+)
 
 
 def _train_fields_for_step(skip_prev_logprobs: bool, skip_reference_logprobs: bool = False) -> list[str]:

@@ -28,14 +28,31 @@ _NOT_COMPARED = ("timing/", "performance/", "data_plane/", "refit/")
 _NOT_COMPARED_NAMES = ("per_sec", "bytes", "fraction")
 
 
-def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None) -> ParityReport:
-    """Train `cfg` twice (legacy, data plane) under `out_dir`; return per-metric largest differences."""
+def run_parity(cfg: MasterConfig, out_dir: Path, steps: int | None = None, async_grpo: bool = False) -> ParityReport:
+    """Train `cfg` twice (legacy, data plane) under `out_dir`; return per-metric largest differences. With
+    `async_grpo`, the pair is the data-plane trainer and asynchronous GRPO with a staleness bound of 0 (the same
+    schedule, so the same metrics; async adds its `async/*` metrics, which the sync run lacks and are not compared)."""
     from relayrl.algorithms.setup import run_training
 
     updates: dict[str, object] = {"cluster": cfg.cluster.model_copy(update={"deterministic": True})}
     if steps is not None:
         updates[cfg.algorithm] = cfg.rollout.model_copy(update={"max_num_steps": steps})
     base = cfg.model_copy(update=updates)
+    if async_grpo:
+        if cfg.algorithm != "grpo":
+            raise ValueError("relayrl parity --async compares GRPO trainers; the config's algorithm is ppo")
+        plane = base.data_plane.model_copy(update={"enabled": True})
+        sync_cfg = base.model_copy(update={"data_plane": plane})
+        sync_cfg.grpo = sync_cfg.grpo.model_copy(
+            update={"async_grpo": sync_cfg.grpo.async_grpo.model_copy(update={"enabled": False})}
+        )
+        async_cfg = sync_cfg.model_copy(deep=True)
+        async_cfg.grpo.async_grpo = async_cfg.grpo.async_grpo.model_copy(
+            update={"enabled": True, "max_trajectory_age_steps": 0}
+        )
+        run_training(MasterConfig.model_validate(sync_cfg.model_dump()), out_dir / "data_plane")
+        run_training(MasterConfig.model_validate(async_cfg.model_dump()), out_dir / "async")
+        return compare_runs(out_dir / "data_plane", out_dir / "async")
     legacy_cfg = base.model_copy(update={"data_plane": base.data_plane.model_copy(update={"enabled": False})})
     sync_cfg = base.model_copy(update={"data_plane": base.data_plane.model_copy(update={"enabled": True})})
     run_training(MasterConfig.model_validate(legacy_cfg.model_dump()), out_dir / "legacy")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import torch
 
 from relayrl.algorithms.interfaces import LossFunction
-from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.experience.flight_recorder import RecordRequest
@@ -106,6 +106,7 @@ class DataPlanePolicy(Checkpointable, KvCalibrator, Protocol):
     """The policy of the data-plane trainers: passes take a `KVBatchMeta`; workers fetch and write back by key."""
 
     tq_partition_id: str
+    dp_client: DataPlaneClient
 
     def prepare_step(self, num_samples: int, group_size: int | None = None) -> None: ...
     def prepare_val_partition(self, num_samples: int, *, partition_id: str = "val") -> None: ...
@@ -148,6 +149,7 @@ class DataPlaneValue(Checkpointable, Protocol):
     """The critic of the data-plane PPO trainer: values, GAE and updates run on its workers, by key."""
 
     tq_partition_id: str
+    dp_client: DataPlaneClient
 
     def prepare_step(self, num_samples: int) -> None: ...
     def finish_step(self, meta: KVBatchMeta) -> None: ...
@@ -185,8 +187,9 @@ class RolloutActor(Protocol):
         greedy: bool = ...,
         wire: bool = ...,
         text_rows: int | None = ...,
+        row_tags: Mapping[str, Any] | None = ...,
     ) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], dict[str, float]]: ...
-    def record_step(self, meta: KVBatchMeta, request: RecordRequest) -> str: ...
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str: ...
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]: ...
     def shutdown(self) -> bool: ...
 

@@ -174,7 +174,7 @@ class RecordedRollouts:
             raise KeyError(f"replay cannot rebuild carry values {unknown} from a flight recording")
         return BatchedDataDict({k: builders[k]() for k in wanted})
 
-    def record_step(self, meta: KVBatchMeta, request: RecordRequest) -> str:
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str:
         raise RuntimeError("a replay does not record (its config turns the flight recorder off)")
 
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:

@@ -62,6 +62,7 @@ class LoopParts:
     policy_generation: Generation
     checkpointer: Checkpointer
     logger: TrainLogger
+    save_extra: Callable[[Path], None] | None = None  # trainer state beyond weights/loader/RNG (async: rollouts)
 
 
 def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
@@ -136,6 +137,7 @@ def save_checkpoint(
     state: GRPOSaveState,
     cfg: MasterConfig,
     metrics_for_ranking: dict[str, Metrics],
+    save_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write step_N atomically: tmp dir, weights/optimizer/tokenizer, dataloader and RNG state, then rename."""
     info: dict[str, object] = dataclasses.asdict(state)
@@ -156,6 +158,8 @@ def save_checkpoint(
     if policy_generation.kv_scales is not None:  # FP8 KV cache: the next step generates with these (exact resume)
         rng["kv_scales"] = policy_generation.kv_scales
     save_state_file(tmp / RNG_STATE, rng)
+    if save_extra is not None:
+        save_extra(tmp)
     return checkpointer.finalize_checkpoint(tmp)
 
 
@@ -182,6 +186,7 @@ class StepTail:
                 state=p.state,
                 cfg=p.cfg,
                 metrics_for_ranking={"val": val_metrics, "train": metrics},
+                save_extra=p.save_extra,
             )
         self.saved_step = step
         return True

@@ -405,9 +405,12 @@ def _train(cfg: MasterConfig, c: RunComponents) -> None:
         )  # fmt: skip
         return
     from relayrl.algorithms.grpo import grpo_train
+    from relayrl.algorithms.grpo_async import grpo_train_async
     from relayrl.algorithms.grpo_sync import grpo_train_sync
 
     grpo = grpo_train_sync if cfg.data_plane.enabled else grpo_train
+    if cfg.grpo.async_grpo.enabled:  # the config refused async without the data plane
+        grpo = grpo_train_async
     grpo(
         c.policy, c.policy_generation, loader, val_loader, c.tokenizer, c.loss_fn,
         envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,

@@ -97,6 +97,7 @@ def on_policy_single_step(cfg: MasterConfig) -> bool:
     g, loss = cfg.grpo, cfg.loss_fn
     return (
         cfg.algorithm == "grpo"
+        and not off_policy_async(cfg)
         and g.skip_prev_logprobs_when_on_policy
         and g.rows_per_step == cfg.policy.train_global_batch_size
         and g.seq_logprob_error_threshold is None
@@ -105,10 +106,20 @@ def on_policy_single_step(cfg: MasterConfig) -> bool:
     )
 
 
+def off_policy_async(cfg: MasterConfig) -> bool:
+    """True for asynchronous GRPO with a staleness bound above 0: samples may come from older weights, so the old
+    policy's logprobs are always recomputed and the loss applies the importance-sampling correction."""
+    a = cfg.grpo.async_grpo
+    return cfg.algorithm == "grpo" and a.enabled and a.max_trajectory_age_steps > 0
+
+
 def effective_loss_config(cfg: MasterConfig) -> ClippedPGLossConfig:
-    """The loss config the trainer actually uses: the ratio is forced on-policy when the prev pass is skipped."""
+    """The loss config the trainer actually uses: the ratio is forced on-policy when the prev pass is skipped;
+    off-policy async GRPO always corrects by importance sampling (pi_old / pi_generator, truncated as configured)."""
     if on_policy_single_step(cfg) and not cfg.loss_fn.force_on_policy_ratio:
         return cfg.loss_fn.model_copy(update={"force_on_policy_ratio": True})
+    if off_policy_async(cfg) and not cfg.loss_fn.use_importance_sampling_correction:
+        return cfg.loss_fn.model_copy(update={"use_importance_sampling_correction": True})
     return cfg.loss_fn
 
 

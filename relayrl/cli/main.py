@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     pa.add_argument("--steps", type=int, default=5, help="training steps per trainer (default 5)")
     pa.add_argument("--tolerance", type=float, default=0.0, help="largest allowed |difference| (default 0: exact)")
     pa.add_argument("--out", help="directory for both runs (default: a new runs/NNN)")
+    pa.add_argument(
+        "--async",
+        dest="async_grpo",
+        action="store_true",
+        help="compare the data-plane trainer with async GRPO at max_trajectory_age_steps=0 instead (GRPO only)",
+    )
     pa.add_argument("overrides", nargs="*")
 
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
@@ -132,6 +138,7 @@ def _train(args: argparse.Namespace) -> int:
         problem = _check_resume(base, cfg, run_dir, args.allow_inexact_resume)
         if problem:
             return _fail(problem)
+    from relayrl.algorithms.async_rollouts import ProducerDiedError
     from relayrl.algorithms.setup import SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
@@ -159,6 +166,9 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     except RemoteTimeoutError as exc:  # a remote wait past its deadline (the message names it and the key)
         print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
+        return 1
+    except ProducerDiedError as exc:  # async GRPO's rollout producer raised: one line, and how to continue
+        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
     except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # raised in an actor: + its trace
@@ -243,7 +253,7 @@ def _parity(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else next_run_dir(cfg.logger.log_dir)
     try:
-        report = run_parity(cfg, out, steps=args.steps)
+        report = run_parity(cfg, out, steps=args.steps, async_grpo=args.async_grpo)
     except SetupError as exc:
         return _fail(str(exc))
     worst = sorted(report["max_abs_diff"].items(), key=lambda kv: -kv[1])

@@ -207,6 +207,9 @@ class MasterConfig(Strict):
                     f"micro-batches of {owner}.train_micro_batch_size = {mbs}: make it a multiple of {ranks * mbs}"
                 )
         g = self.grpo
+        problem = _async_grpo_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         if self.algorithm == "grpo" and g.num_generations_per_prompt < 2:
             raise ValueError(
                 "grpo.num_generations_per_prompt must be >= 2: GRPO's advantage is a reward relative to the other "
@@ -310,3 +313,30 @@ class MasterConfig(Strict):
     def reference_model_needed(self) -> bool:
         skip = self.rollout.skip_reference_policy_logprobs_calculation
         return self.loss_fn.reference_policy_kl_penalty > 0 and not skip
+
+
+def _async_grpo_problem(cfg: MasterConfig) -> str | None:
+    """The one-line reason `grpo.async_grpo.enabled=true` cannot run with this config, or None."""
+    a, g = cfg.grpo.async_grpo, cfg.grpo
+    if not a.enabled:
+        return None
+    fix = "set grpo.async_grpo.enabled=false or change"
+    if cfg.algorithm != "grpo":
+        return f"grpo.async_grpo.enabled=true needs algorithm=grpo (got {cfg.algorithm!r}); {fix} the algorithm"
+    if not cfg.data_plane.enabled:
+        return (
+            f"grpo.async_grpo.enabled=true needs data_plane.enabled=true (rollouts travel through the store); {fix} it"
+        )
+    if cfg.cluster.executor != "local":
+        return f"grpo.async_grpo.enabled=true runs on cluster.executor=local only for now; {fix} the executor"
+    if cfg.data_plane.backend != "memory":
+        return f"grpo.async_grpo.enabled=true needs data_plane.backend=memory for now (got {cfg.data_plane.backend!r})"
+    if g.use_dynamic_sampling:
+        return "grpo.async_grpo.enabled=true with grpo.use_dynamic_sampling: a step's batch would depend on later ones"
+    if a.max_trajectory_age_steps > 0 and cfg.loss_fn.force_on_policy_ratio:
+        return "loss_fn.force_on_policy_ratio=true with grpo.async_grpo.max_trajectory_age_steps > 0: stale samples need the ratio"
+    if a.in_flight_weight_updates:
+        return "grpo.async_grpo.in_flight_weight_updates=true: the local generator refits between batches; set it false"
+    if cfg.policy.generation.kv_cache_dtype == "fp8":
+        return "policy.generation.kv_cache_dtype=fp8 with grpo.async_grpo: the producer's engine gets no KV scales yet"
+    return None

@@ -309,7 +309,6 @@ class _Translator:
 
     def _rollout(self) -> None:
         r = self.section
-        self.block(f"{r}.async_grpo", why="relayrl's trainers are synchronous; set it false")
         self.drop(f"{r}.calculate_advantages_on_gpu", f"{r}.debug_payload_metrics", f"{r}.deduplicate_multimodal_data")
         self.drop(f"{r}.adv_estimator.reward_weights", allowed=(None,), why="relayrl has no GDPO; set null")
 

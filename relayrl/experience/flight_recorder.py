@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,25 +85,53 @@ def rollout_rows(
 
 
 class RolloutStash:
-    """`ROW_COLUMNS` by sample key for the current training step (reset when a new step's first rollout starts)."""
+    """`ROW_COLUMNS` by sample key, per partition, until the step's file is written.
 
-    def __init__(self) -> None:
-        self.rows: dict[str, tuple[Any, ...]] = {}
+    The sync trainers roll every step into one partition, which a step's first rollout resets. The asynchronous
+    producer writes batch k into its own partition while step k - 1 records, so several partitions live at once:
+    the newest `keep_partitions` are kept (older ones can no longer be trained on), and rows leave when recorded.
+    The producer adds from its thread while the trainer takes from the main one, hence the lock."""
+
+    def __init__(self, keep_partitions: int = 1) -> None:
+        self.partitions: OrderedDict[str, dict[str, tuple[Any, ...]]] = OrderedDict()
+        self.keep = max(1, keep_partitions)
+        self._lock = threading.Lock()
         warm_up()
 
-    def clear(self) -> None:
-        self.rows.clear()
-
-    def add(self, keys: Sequence[str], columns: dict[str, list[Any]]) -> None:
-        for i, key in enumerate(keys):
-            self.rows[key] = tuple(columns[name][i] for name in ROW_COLUMNS)
+    def add(self, partition: str, keys: Sequence[str], columns: dict[str, list[Any]], reset: bool) -> None:
+        with self._lock:
+            rows = {} if reset else self.partitions.pop(partition, {})
+            for i, key in enumerate(keys):
+                rows[key] = tuple(columns[name][i] for name in ROW_COLUMNS)
+            self.partitions[partition] = rows  # the newest last
+            while len(self.partitions) > self.keep:
+                self.partitions.popitem(last=False)
 
     def take(self, keys: Sequence[str]) -> dict[str, list[Any]]:
-        missing = [k for k in keys if k not in self.rows]
-        if missing:
-            raise KeyError(f"flight recorder: no rollout rows for {len(missing)} key(s), e.g. {missing[:3]}")
-        rows = [self.rows[k] for k in keys]
-        return {name: [r[j] for r in rows] for j, name in enumerate(ROW_COLUMNS)}
+        with self._lock:
+            found = {k: rows[k] for rows in self.partitions.values() for k in keys if k in rows}
+            missing = [k for k in keys if k not in found]
+            if missing:
+                raise KeyError(f"flight recorder: no rollout rows for {len(missing)} key(s), e.g. {missing[:3]}")
+            for rows in self.partitions.values():
+                for k in keys:
+                    rows.pop(k, None)
+        return {name: [found[k][j] for k in keys] for j, name in enumerate(ROW_COLUMNS)}
+
+
+def export_rows(stash: RolloutStash, batches: Sequence[tuple[str, Sequence[str]]]) -> dict[str, Any]:
+    """JSON-ready rows of `(partition, keys)` batches still in flight (an async checkpoint keeps them)."""
+    with stash._lock:
+        return {
+            part: {k: list(stash.partitions[part][k]) for k in keys if k in stash.partitions.get(part, {})}
+            for part, keys in batches
+        }
+
+
+def import_rows(stash: RolloutStash, saved: dict[str, Any]) -> None:
+    """Put rows `export_rows` wrote back, one partition per batch (a resumed async run records those steps)."""
+    for part, rows in saved.items():
+        stash.add(part, list(rows), {n: [r[j] for r in rows.values()] for j, n in enumerate(ROW_COLUMNS)}, True)
 
 
 def record_from_store(client: DataPlaneClient, stash: RolloutStash, meta: KVBatchMeta, request: RecordRequest) -> str:
@@ -110,5 +140,4 @@ def record_from_store(client: DataPlaneClient, stash: RolloutStash, meta: KVBatc
     columns.update(read_store_columns(client, meta, request.fields))
     columns.update(request.driver_columns)
     path = write_step(request.rollouts_dir, request.step, columns, request.info, request.keep_last)
-    stash.clear()
     return str(path)

@@ -130,8 +130,10 @@ class RayRolloutActor:
             kwargs["task_to_env_override_names"] = list(override)
         return self._get(self._actor.rollout.remote(input_batch, kwargs), "rollout")
 
-    def record_step(self, meta: Any, request: Any) -> str:
+    def record_step(self, meta: Any, request: Any, rows_from: Any = None) -> str:
         """`SyncRolloutActor.record_step` in the actor: the rows it holds and its store reads never reach the driver."""
+        if rows_from is not None:
+            raise ValueError("record_step(rows_from=...) joins two in-process actors; a Ray actor records its own rows")
         return self._get(self._actor.record_step.remote(meta, request), "record_step")
 
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:

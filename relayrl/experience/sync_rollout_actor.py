@@ -127,7 +127,9 @@ class SyncRolloutActor:
         self.master_config = master_config
         self.client: DataPlaneClient = build_data_plane_client(dp_cfg, bootstrap=False)
         # the flight recorder's per-sample text and rewards, by key, until the step's file is written
-        self.flight = RolloutStash() if master_config.logger.flight_recorder.enabled else None
+        async_grpo = master_config.grpo.async_grpo
+        in_flight = 2 + async_grpo.max_trajectory_age_steps if async_grpo.enabled else 1  # batches alive at once
+        self.flight = RolloutStash(in_flight) if master_config.logger.flight_recorder.enabled else None
 
     def rollout_to_tq(
         self,
@@ -144,6 +146,7 @@ class SyncRolloutActor:
         compact: bool = False,
         wire: bool = False,
         text_rows: int | None = None,
+        row_tags: Mapping[str, Any] | None = None,
     ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
         """Roll out `input_batch` (already repeat-interleaved: the `group_size` rows of a prompt are contiguous),
         write its bulk to `partition_id`, return `(meta, driver_carry, rollout_metrics, generation_metrics)`.
@@ -155,6 +158,7 @@ class SyncRolloutActor:
         returns the carry in its wire form (`encode_carry`; the driver decodes it with `decode_carry`), the
         smallest exact encoding. `text_rows` builds the opt-in text values only for the first `text_rows` rows
         (the rest are None): the driver logs a few samples, so the whole batch's text need not cross to it.
+        `row_tags` are stored as every row's tags (asynchronous GRPO stamps the generating `weight_version`).
         """
         n_rows = _check_rows(input_batch)
         num_prompts = _check_grouping(n_rows, group_size)
@@ -198,13 +202,12 @@ class SyncRolloutActor:
             extra_info={ROLLOUT_METRICS: dict(rollout_metrics)},
             task_name=partition_id,
             pad_to_multiple=cfg.policy.make_sequence_length_divisible_by,
+            tags=None if row_tags is None else [dict(row_tags) for _ in keys],
         )
 
         if self.flight is not None and partition_id != VAL_PARTITION:
-            if first_iter:
-                self.flight.clear()
             group = prompt_group_ids(prompt_ids, prompt_lengths)  # [B]
-            self.flight.add(keys, _flight_rows(final, prompt_lengths, group))
+            self.flight.add(partition_id, keys, _flight_rows(final, prompt_lengths, group), reset=first_iter)
         if finish_generation:
             gen.finish_generation()
         get_metrics = getattr(gen, "get_logger_metrics", None)
@@ -264,11 +267,14 @@ class SyncRolloutActor:
         return BatchedDataDict({k: builders[k]() for k in wanted})
 
     # ------------------------------------------------------------------ observability and lifecycle
-    def record_step(self, meta: KVBatchMeta, request: RecordRequest) -> str:
-        """Write the flight recorder file of a step whose keys are still in the store; returns its path."""
-        if self.flight is None:
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str:
+        """Write the flight recorder file of a step whose keys are still in the store; returns its path.
+        `rows_from`: the actor that rolled the step out, when not this one (the async producer, whose client
+        stays its own thread's: the store is read through this actor's)."""
+        stash = (rows_from if rows_from is not None else self).flight
+        if stash is None:
             raise RuntimeError("record_step: logger.flight_recorder.enabled is false for this run")
-        return record_from_store(self.client, self.flight, meta, request)
+        return record_from_store(self.client, stash, meta, request)
 
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
         """This actor's client counters (its puts are the bulk of what a step writes to the store)."""

@@ -103,3 +103,15 @@ def test_ppo_parity_on_memory_backend(tmp_path, tiny_model_dir, capsys, workers)
         "validation/accuracy",
     ):
         assert f"  {name} " in out, name
+
+
+def test_parity_async_at_age_zero_is_exact(tmp_path, tiny_model_dir, capsys):
+    """`relayrl parity --async`: the data-plane trainer against async GRPO with max_trajectory_age_steps=0."""
+    code = main(
+        ["parity", "--async", "--steps", "3", "--out", str(tmp_path), *tiny_grpo_overrides(tiny_model_dir, *GRPO_RUN)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "parity OK" in out and "train/loss" in out and "validation/accuracy" in out
+    assert (tmp_path / "async" / "metrics.jsonl").is_file()
+    assert '"train/async/trajectory_age_mean": 0.0' in (tmp_path / "async" / "metrics.jsonl").read_text()

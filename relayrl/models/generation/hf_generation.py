@@ -170,6 +170,16 @@ class HfGeneration(GenerationInterface):
             model.eval()
         return True
 
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Refit this engine's private copy from a snapshot of the policy's weights taken at `version` (an
+        asynchronous producer generates on an older version than the policy's live one). The caller's model
+        source must then report `version`, which generate() checks."""
+        if self._colocated:
+            raise RuntimeError("load_weights needs a non-colocated engine (a colocated one reads the live weights)")
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+        self._synced_version = int(version)
+
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Restore the train/eval mode found at prepare time and release cached device memory."""
         if self._restore_training is not None and not self._closed:

@@ -102,7 +102,6 @@ def test_nemo_chat_template_null_means_concatenation_only_in_that_layout() -> No
         ({"policy": {"generation": {"vllm_cfg": {"precision": "fp8"}}}}, "policy.generation.vllm_cfg.precision='fp8'"),
         ({"policy": {"generation": {"vllm_cfg": {"max_model_len": 32}}}}, "policy.generation.vllm_cfg.max_model_len"),
         ({"checkpointing": {"model_save_format": "torch_save"}}, "checkpointing.model_save_format='torch_save': "),
-        ({"grpo": {"async_grpo": {"enabled": True}}}, "grpo.async_grpo.enabled=true: "),
         ({"reward_penalties": {"penalize_unwanted_tokens": True}}, "reward_penalties.penalize_unwanted_tokens=True"),
         ({"data": {"train": {"dataset_name": "OpenMathInstruct-2"}}}, "data.train.dataset_name='OpenMathInstruct-2'"),
         ({"on_policy_distillation": {"teachers": []}}, "on_policy_distillation={'teachers': []}: "),

@@ -46,11 +46,26 @@ def test_rollout_rows_take_text_rewards_and_metadata_per_row():
 
 def test_stash_returns_rows_in_the_order_asked_and_names_missing_keys():
     stash = RolloutStash()
-    stash.add(["a_g0", "a_g1", "b_g0"], _rows())
+    stash.add("train", ["a_g0", "a_g1", "b_g0"], _rows(), reset=True)
     taken = stash.take(["b_g0", "a_g0"])
     assert taken["prompt"] == ["2+1=", "0+1="] and taken["loss_multiplier"] == [0.0, 1.0]
     with pytest.raises(KeyError, match="no rollout rows for 1 key"):
-        stash.take(["a_g0", "zz_g3"])
-    stash.clear()
-    with pytest.raises(KeyError):
+        stash.take(["a_g1", "zz_g3"])
+    with pytest.raises(KeyError):  # taken rows leave the stash
         stash.take(["a_g0"])
+    stash.add("train", ["c_g0", "c_g1", "c_g2"], _rows(), reset=True)  # a new step's first rollout resets
+    with pytest.raises(KeyError):
+        stash.take(["a_g1"])
+
+
+def test_stash_keeps_the_newest_partitions_for_batches_in_flight():
+    """The async producer writes batch k+1 while step k records: both partitions live, the oldest beyond
+    `keep_partitions` goes."""
+    stash = RolloutStash(keep_partitions=2)
+    stash.add("train_b1", ["a_g0", "a_g1", "a_g2"], _rows(), reset=True)
+    stash.add("train_b2", ["b_g0", "b_g1", "b_g2"], _rows(), reset=True)
+    assert stash.take(["a_g1"])["prompt"] == ["1+1="]  # batch 1 survives batch 2's reset
+    stash.add("train_b3", ["c_g0", "c_g1", "c_g2"], _rows(), reset=True)
+    with pytest.raises(KeyError):
+        stash.take(["a_g0"])  # batch 1 fell out: only the newest two are kept
+    assert stash.take(["b_g0", "c_g2"])["prompt"] == ["0+1=", "2+1="]

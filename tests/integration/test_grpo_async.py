@@ -1,0 +1,199 @@
+"""Asynchronous GRPO end to end on the tiny test model: d = 0 is the sync trainer, d = 1 is deterministic, resumes
+exactly after SIGKILL with rollouts in flight, leaks no key, accounts for stale groups, and a dead producer ends the
+run with one line and the resume command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from relayrl.algorithms import async_rollouts
+from relayrl.algorithms.async_state import ASYNC_STATE
+from relayrl.cli.main import main
+from relayrl.utils.state_file import load_state_file
+from tests.helpers import EXACT_RUN, metrics_by_step, sigkill_after_checkpoint, tiny_grpo_overrides
+
+STEPS = 4
+ASYNC = ("grpo.async_grpo.enabled=true",)
+# the shipped model: it earns rewards from step 1, so advantages (and what staleness changes) are not all zero
+BASE = (
+    *EXACT_RUN,
+    "policy.model_name=builtin:tiny-arith",
+    "policy.generation.max_new_tokens=16",
+    f"grpo.max_num_steps={STEPS}",
+    "grpo.val_at_start=false",
+    "checkpointing.save_period=2",
+)
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    """Last logged train/validation metrics per step, machine-dependent rates and byte counters left out."""
+    return metrics_by_step(run_dir, ("train/", "validation/"), skip=("per_sec", "bytes", "fraction"))
+
+
+def _run(tmp_path: Path, model: Path, name: str, *extra: str) -> dict[int, dict]:
+    run_dir = tmp_path / name
+    assert main(["train", "--run-dir", str(run_dir), *tiny_grpo_overrides(model, *BASE, *extra)]) == 0
+    return _metrics(run_dir)
+
+
+def test_age_zero_reproduces_sync_trainer(tmp_path, tiny_model_dir):
+    sync = _run(tmp_path, tiny_model_dir, "sync")
+    d0 = _run(tmp_path, tiny_model_dir, "async_d0", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=0")
+    assert sorted(d0) == list(range(1, STEPS + 1))
+    for step, row in sync.items():
+        assert {k: d0[step][k] for k in row} == row, f"step {step}: async d=0 differs from sync"
+        assert d0[step]["train/async/trajectory_age_mean"] == 0.0
+
+
+def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
+    a = _run(tmp_path, tiny_model_dir, "a", *ASYNC)
+    b = _run(tmp_path, tiny_model_dir, "b", *ASYNC)
+    assert a == b
+    sync = _run(tmp_path, tiny_model_dir, "sync")
+    for key in ("train/reward", "train/mean_gen_tokens_per_sample"):  # batch 1: the initial weights either way
+        assert a[1][key] == sync[1][key]
+    assert a[2]["train/async/generating_weight_version"] == 0.0  # batch 2 too; sync generates it with version 1
+    assert a[2]["train/reward"] != sync[2]["train/reward"]
+    ages = [a[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)]
+    assert ages == [0.0, 1.0, 1.0, 1.0]
+    assert [a[s]["train/async/trajectory_age_hist/1"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+    # stale samples: pi_old recomputed, so the IS weight pi_old / pi_generator departs from 1
+    assert a[STEPS]["train/sampling_importance_ratio"] != 1.0
+
+
+def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir):
+    overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC)
+    reference = _run(tmp_path, tiny_model_dir, "uninterrupted", *ASYNC)
+    run_dir = tmp_path / "killed"
+    argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides]
+    sigkill_after_checkpoint(argv, run_dir / "checkpoints" / "step_2")
+    saved = load_state_file(run_dir / "checkpoints" / "step_2" / ASYNC_STATE)
+    # d = 1: after step 2, batch 3 (version 1) and batch 4 (version 2) were generated and not yet trained on
+    assert [(b["index"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)]
+    assert all(len(b["keys"]) == 16 for b in saved["batches"])
+    assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
+    resumed = _metrics(run_dir)
+    for step in range(3, STEPS + 1):
+        assert resumed[step] == reference[step], f"step {step} differs after resume"
+    # the flight recorder's files too, for the steps trained on batches that were in flight (sample keys are fresh
+    # per run; every other column, the text included, is the same)
+    for step in range(3, STEPS + 1):
+        name = f"rollouts/step_{step:06d}.parquet"
+        a, b = (pq.read_table(d / name).drop(["sample_key"]) for d in (tmp_path / "uninterrupted", run_dir))
+        assert a.equals(b), f"recorded rollouts of step {step} differ after resume"
+
+
+def test_sigkill_with_rollouts_in_flight_across_an_epoch_end(tmp_path, tiny_model_dir):
+    """3 batches per epoch, 2 epochs: after step 2, batch 3 (epoch 0's last) and batch 4 (epoch 1's first) are in
+    flight; the resumed run ends the epoch where the uninterrupted one did and logs the same metrics."""
+    small = (
+        "data.arithmetic.max_operand=13",  # 4 x 4 x 2 = 32 problems, 20 held out: 12 prompts, 3 batches of 4
+        "data.arithmetic.num_val_problems=20",
+        "grpo.max_num_epochs=2",
+        "grpo.max_num_steps=100",
+        "grpo.val_period=3",
+    )
+    overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC, *small)
+    reference = _run(tmp_path, tiny_model_dir, "uninterrupted", *ASYNC, *small)
+    assert sorted(reference) == list(range(1, 7))
+    run_dir = tmp_path / "killed"
+    argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides]
+    sigkill_after_checkpoint(argv, run_dir / "checkpoints" / "step_2")
+    saved = load_state_file(run_dir / "checkpoints" / "step_2" / ASYNC_STATE)
+    assert [(b["index"], b["epoch"]) for b in saved["batches"]] == [(3, 0), (4, 1)]
+    assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
+    assert _metrics(run_dir) == reference
+
+
+def test_resume_with_a_tighter_bound_drops_and_counts_stale_groups(tmp_path, tiny_model_dir):
+    """A checkpoint taken with d = 1 holds batches 3 (version 1) and 4 (version 2); resumed with d = 0, step 3 may
+    only train on version-2 samples, so both batches are dropped (4 groups each), counted, and regenerated from the
+    next prompts."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC)
+    sigkill_after_checkpoint(
+        ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides], run_dir / "checkpoints" / "step_2"
+    )
+    tighter = [*overrides, "grpo.async_grpo.max_trajectory_age_steps=0"]
+    assert main(["train", "--run-dir", str(run_dir), "--allow-inexact-resume", *tighter]) == 0
+    resumed = _metrics(run_dir)
+    assert resumed[3]["train/async/dropped_stale_groups"] == 8.0
+    assert resumed[3]["train/async/trajectory_age_mean"] == 0.0
+    assert resumed[3]["train/async/generating_weight_version"] == 2.0
+    assert resumed[4]["train/async/dropped_stale_groups"] == 0.0
+
+
+def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Every key the producer writes is trained on and cleared with its step, or discarded and counted at shutdown
+    (here: an early stop at step 2's validation leaves batches 3 and 4 generated)."""
+    from relayrl.algorithms.grpo_async import GRPOAsyncSteps
+
+    held: list[int] = []
+    step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
+
+    def live_keys(steps: GRPOAsyncSteps) -> int:
+        client = steps.policy.dp_client
+        return sum(len(client.keys(pid)) for pid in client.bytes_held())
+
+    def step_and_count(self, batch, index):
+        out = step(self, batch, index)
+        held.append(live_keys(self))
+        return out
+
+    def close_and_count(self):
+        close(self)
+        held.append(live_keys(self))
+
+    monkeypatch.setattr(GRPOAsyncSteps, "step", step_and_count)
+    monkeypatch.setattr(GRPOAsyncSteps, "close", close_and_count)
+    stop_early = ("grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.0")
+    _run(tmp_path, tiny_model_dir, "leaks", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=2", *stop_early)
+    assert held[-1] == 0  # nothing left in the store once the run ended
+    assert all(n <= 2 * 16 for n in held[:-1])  # at most d = 2 batches of 16 rows ahead of training
+    out = capsys.readouterr().out
+    assert "async: 2 generated batch(es) (8 groups) not trained on; discarded at shutdown" in out
+
+
+def test_producer_death_ends_the_run_with_one_line(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    real = async_rollouts.RolloutProducer._generate
+
+    def failing(self, index, batch, version):
+        if index == 5:  # generated (d = 1, version 3) while step 4 trains; step 4's checkpoint drain finds it dead
+            raise OSError("disk on fire")
+        return real(self, index, batch, version)
+
+    monkeypatch.setattr(async_rollouts.RolloutProducer, "_generate", failing)
+    run_dir = tmp_path / "dies"
+    overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC, "grpo.max_num_steps=6")
+    code = main(["train", "--run-dir", str(run_dir), *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1] == (
+        "relayrl: error: rollout producer died at batch 5 (OSError: disk on fire); "
+        f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
+    )
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows if "train/loss" in r) == 3
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (("data_plane.enabled=false",), "needs data_plane.enabled=true"),
+        (("grpo.use_dynamic_sampling=true",), "use_dynamic_sampling"),
+        (("grpo.async_grpo.in_flight_weight_updates=true",), "in_flight_weight_updates"),
+        (("loss_fn.force_on_policy_ratio=true",), "force_on_policy_ratio"),
+        (("data_plane.backend=transfer_queue",), "data_plane.backend=memory"),
+        (("cluster.executor=ray",), "cluster.executor=local"),
+    ],
+)
+def test_impossible_combinations_are_refused_in_one_line(tmp_path, tiny_model_dir, capsys, extra, needle):
+    code = main(["train", "--run-dir", str(tmp_path / "r"), *tiny_grpo_overrides(tiny_model_dir, *ASYNC, *extra)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0]
+    assert not (tmp_path / "r").exists()
