@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,7 @@ def test_datasets_dataset_trains_3_steps(tmp_path):
 
 
 def test_cli_reward_fns_on_jsonl_without_answer(tmp_path, monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's my_rewards may be imported
     (tmp_path / "my_rewards.py").write_text(
         "def has_digits(prompts, completions, **columns):\n"
         "    return [float(any(ch.isdigit() for ch in c)) for c in completions]\n\n"
@@ -173,6 +175,7 @@ def test_cli_reads_datasets_from_disk_and_by_load_dataset_with_column_mapping(tm
     files.mkdir()
     (files / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
     (files / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed[:8]))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's my_rewards may be imported
     (tmp_path / "my_rewards.py").write_text(
         "def mentions_target(prompts, completions, target, **columns):\n"
         "    assert all(p.endswith('=') for p in prompts)  # the question column, mapped to the prompt\n"

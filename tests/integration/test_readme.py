@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,7 @@ def _newest_step(run_dir: Path) -> int:
 @pytest.mark.parametrize("command", [c for c in COMMANDS if kind_of(c) in ("cli", "tensorboard")])
 def test_readme_command_runs(command, workdir, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # the README's, not another test's my_rewards
     if kind_of(command) == "tensorboard":  # the directory exists and holds the run's scalars
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
