@@ -8,6 +8,7 @@ advantages used, the group's baseline and std), advantage, and the completion to
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ def step_samples(table: Any, tokens: int) -> tuple[list[dict[str, Any]], str | N
                 "reward": cols["reward"][i],
                 "baseline": cols["baseline"][i] if "baseline" in cols else None,  # GRPO only
                 "std": cols["std"][i] if "std" in cols else None,
+                "components": _components(cols["env_metadata"][i]) if "env_metadata" in cols else {},
                 "advantage": row_advantage(cols["advantages"][i], mask),
                 "gaps": [(pos, cols["input_ids"][i][pos], gap) for pos, gap in gaps],
             }
@@ -91,10 +93,18 @@ def run(args: argparse.Namespace) -> int:
             f"[bold]row {r['row']}[/bold]  advantage [bold]{r['advantage']:+.4g}[/bold]  "
             f"reward env {r['reward_env']:.4g} / shaped {r['reward']:.4g}  {group}[dim]{escape(r['key'])}[/dim]"
         )
+        if r["components"]:  # reward functions: each one's value for this row
+            console.print("  reward components: " + ", ".join(f"{k} {v}" for k, v in r["components"].items()))
         console.print(f"  prompt:     {escape(r['prompt'])}")
         console.print(f"  completion: [cyan]{escape(r['completion'])}[/cyan]")
         console.print(f"  largest {which} − generation log-prob gaps: {escape(gaps)}")
     return 0
+
+
+def _components(env_metadata: str | None) -> dict[str, Any]:
+    """The per-function rewards a reward-function environment put in the row's metadata (else none)."""
+    meta = json.loads(env_metadata) if env_metadata else None
+    return dict(meta.get("reward_components") or {}) if isinstance(meta, dict) else {}
 
 
 def _decoder(run_dir: Path) -> Any:

@@ -4,7 +4,8 @@ A `RewardFunctionEnvironment` scores one batch of single-turn rows by calling ev
 lists: the rows' prompts (as the dataset gave them: text, or a list of messages), the completions (the generated
 text) and every other dataset column as a keyword argument (a column a row lacks reads None there). A row's reward
 is the weighted sum of the functions' values (a None value counts 0: "does not apply to this row"); each
-function's batch mean is reported as `reward/<name>`.
+function's batch mean is reported as `reward/<name>`, and each row's values go back in its metadata as
+`reward_components` (recorded by the flight recorder).
 
 A function that raises ends the run with `RewardFunctionError`, one line naming the function and the dataset row:
 the batch is re-scored row by row to find the first row that fails, so the line points at real data.
@@ -111,8 +112,11 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         names = list(dict.fromkeys(k for m in metas for k in (m.get("columns") or {})))
         columns = {k: [(m.get("columns") or {}).get(k) for m in metas] for k in names}
         total = torch.zeros(n, dtype=torch.float64)  # [B]
+        components: list[dict[str, float | None]] = [{} for _ in range(n)]  # per row: function -> its value
         for (name, fn), weight in zip(self.fns, self.weights):
             values = self._call(name, fn, prompts, completions, columns, metas)
+            for row, v in zip(components, values):
+                row[name] = None if math.isnan(v) else v
             for v in values:
                 if not math.isnan(v):
                     self._sums[name] += v
@@ -120,7 +124,8 @@ class RewardFunctionEnvironment(EnvironmentInterface):
             total += weight * torch.tensor(values, dtype=torch.float64).nan_to_num(nan=0.0)  # [B]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": f"Reward: {r:.3f}"} for r in total.tolist()],
-            metadata=list(metadata),
+            # each function's value rides with the row (the flight recorder's env_metadata, `relayrl inspect`)
+            metadata=[{**(m or {}), "reward_components": c} for m, c in zip(metadata, components)],
             next_stop_strings=[None] * n,
             rewards=total.to(torch.float32),  # [B]
             terminateds=torch.ones(n, dtype=torch.bool),  # [B]

@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 import relayrl
@@ -71,6 +72,13 @@ def test_list_of_dicts_two_reward_functions_trains_3_steps(tmp_path, monkeypatch
     _check_run(result, 3)
     samples = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all("+" in s["prompt"] for s in samples)
+    # the flight recorder keeps each function's value per row, and the row's reward is their weighted sum
+    table = pq.read_table(result.run_dir / "rollouts" / "step_000003.parquet").to_pylist()
+    for row in table:
+        parts = json.loads(row["env_metadata"])["reward_components"]
+        assert set(parts) == {"has_digits", "mentions_target"} and parts["has_digits"] in (0.0, 1.0)
+        weighted = WEIGHTS[0] * parts["has_digits"] + WEIGHTS[1] * (parts["mentions_target"] or 0.0)
+        assert row["reward_env"] == pytest.approx(weighted, abs=1e-6)
 
 
 def test_datasets_dataset_trains_3_steps(tmp_path):
