@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -28,7 +28,7 @@ from relayrl.models import fp8_kv
 from relayrl.models.fast.decoder import FastDecoder, HfDecoder
 from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
-from relayrl.models.generation.sampling import TokenSampler
+from relayrl.models.generation.sampling import StopStringMatcher, TokenSampler, stop_test
 
 #: Drop finished rows from the live batch (KV cache included) once at most this fraction of it is still running.
 COMPACT_WHEN_ALIVE_FRACTION = 0.75
@@ -336,8 +336,8 @@ class HfGeneration(GenerationInterface):
         logprobs = torch.zeros((n_max, batch), dtype=torch.float32, device=device)  # [N, B]
         gen_len = torch.zeros(batch, dtype=torch.long, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-        is_stop = _stop_test(self.stop_token_ids, device)
-        matcher = _StopStringMatcher(self.tokenizer, row_stops) if any(row_stops) else None
+        is_stop = stop_test(self.stop_token_ids, device)
+        matcher = StopStringMatcher(self.tokenizer, row_stops) if any(row_stops) else None
         rows = torch.arange(batch, device=device)  # original row of each live slot
         alive = torch.ones(batch, dtype=torch.bool, device=device)
         live_limits, pos = limits.clone(), lengths.clone()  # per slot: token budget, next position id
@@ -380,50 +380,6 @@ class HfGeneration(GenerationInterface):
             logits = decoder.step(tok, pos, prompt_cols + step)  # [b, V]
             pos += 1
         return tokens.T, logprobs.T, gen_len, stopped
-
-
-def _stop_test(stop_ids: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """tokens [b] -> bool [b], whether each is a stop token (scalar compares for one or two ids: cheaper than isin)."""
-    if not stop_ids:
-        return lambda tok: torch.zeros(tok.shape, dtype=torch.bool, device=tok.device)
-    if len(stop_ids) == 1:
-        return lambda tok: tok == stop_ids[0]
-    if len(stop_ids) == 2:
-        return lambda tok: (tok == stop_ids[0]).logical_or_(tok == stop_ids[1])
-    ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    return lambda tok: torch.isin(tok, ids)
-
-
-class _StopStringMatcher:
-    """Ends a row once its decoded generated text contains one of its stop strings (checked on the host).
-
-    Only the tail of each row is decoded: a stop string completed by the newest token spans at most its UTF-8
-    byte length in tokens (every token is at least one byte), so a few tokens more than that suffice, and the
-    check costs the same at token 10 as at token 10,000.
-    """
-
-    def __init__(self, tokenizer: Any, row_stops: list[list[str]]) -> None:
-        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python post-processing
-        if backend is not None:
-            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
-        else:
-            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
-        self.row_stops = row_stops
-        self.generated: dict[int, list[int]] = {i: [] for i, stops in enumerate(row_stops) if stops}
-        self.window = {i: 4 + max(len(s.encode("utf-8")) for s in row_stops[i]) for i in self.generated}
-
-    def check(self, rows: torch.Tensor, tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-        """Append this step's tokens and return, per live slot, whether a stop string just completed."""
-        hits = []
-        for row, tok, live in zip(rows.tolist(), tokens.tolist(), alive.tolist()):
-            ids = self.generated.get(row)
-            if ids is None or not live:
-                hits.append(False)
-                continue
-            ids.append(tok)
-            text = self.decode(ids[-self.window[row] :])
-            hits.append(any(s in text for s in self.row_stops[row]))
-        return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
 
 
 def generation_limits(lengths: torch.Tensor, max_new_tokens: int, max_total: int | None) -> torch.Tensor:

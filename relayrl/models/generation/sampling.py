@@ -1,4 +1,5 @@
-"""Token sampling for the generation engines: temperature, vLLM-compatible top-k / top-p, greedy.
+"""Token sampling for the generation engines (temperature, vLLM-compatible top-k / top-p, greedy) and the tests
+that end a row (stop tokens, stop strings).
 
 The engine must report the log-prob of each sampled token under the distribution it *actually* sampled from
 (after temperature and filtering), so the sampler returns both in one pass. Sampling uses the inverse CDF
@@ -9,6 +10,9 @@ other rows share its batch: any split of a batch across generation workers sampl
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -120,3 +124,48 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
     if zero is None:
         zero = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
     return zero
+
+
+# ---------------------------------------------------------------------------------------------------- stopping
+def stop_test(stop_ids: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """tokens [b] -> bool [b], whether each is a stop token (scalar compares for one or two ids: cheaper than isin)."""
+    if not stop_ids:
+        return lambda tok: torch.zeros(tok.shape, dtype=torch.bool, device=tok.device)
+    if len(stop_ids) == 1:
+        return lambda tok: tok == stop_ids[0]
+    if len(stop_ids) == 2:
+        return lambda tok: (tok == stop_ids[0]).logical_or_(tok == stop_ids[1])
+    ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    return lambda tok: torch.isin(tok, ids)
+
+
+class StopStringMatcher:
+    """Ends a row once its decoded generated text contains one of its stop strings (checked on the host).
+
+    Only the tail of each row is decoded: a stop string completed by the newest token spans at most its UTF-8
+    byte length in tokens (every token is at least one byte), so a few tokens more than that suffice, and the
+    check costs the same at token 10 as at token 10,000.
+    """
+
+    def __init__(self, tokenizer: Any, row_stops: list[list[str]]) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python post-processing
+        if backend is not None:
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
+        else:
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        self.row_stops = row_stops
+        self.generated: dict[int, list[int]] = {i: [] for i, stops in enumerate(row_stops) if stops}
+        self.window = {i: 4 + max(len(s.encode("utf-8")) for s in row_stops[i]) for i in self.generated}
+
+    def check(self, rows: torch.Tensor, tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Append this step's tokens and return, per live slot, whether a stop string just completed."""
+        hits = []
+        for row, tok, live in zip(rows.tolist(), tokens.tolist(), alive.tolist()):
+            ids = self.generated.get(row)
+            if ids is None or not live:
+                hits.append(False)
+                continue
+            ids.append(tok)
+            text = self.decode(ids[-self.window[row] :])
+            hits.append(any(s in text for s in self.row_stops[row]))
+        return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
