@@ -118,11 +118,7 @@ def child(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         total = sum(p.numel() for p in model.parameters())
         cuda_peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
     finally:
-        c.policy_generation.shutdown()
-        c.policy.shutdown()
-        c.logger.close()
-        for lock in c.run_locks or ():
-            lock.release()
+        c.close()
     step = run_dir / "checkpoints" / f"step_{args.steps}"
     return {
         "mode": mode,

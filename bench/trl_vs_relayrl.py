@@ -256,11 +256,7 @@ def run_relayrl(
             cfg,
         )
     finally:
-        c.logger.close()
-        c.policy_generation.shutdown()
-        c.policy.shutdown()
-        for env in c.task_to_env.values():
-            env.shutdown()
+        c.close()
     by_step: dict[int, dict[str, Any]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)

@@ -372,3 +372,13 @@ class ScriptedGenerationBase(GenerationInterface):
 
     def shutdown(self) -> bool:
         return True
+
+
+class RunsCode:
+    """Unpickling this runs a shell command that creates `marker`: what a crafted checkpoint file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return os.system, (f"touch {self.marker}",)

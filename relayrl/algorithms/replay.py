@@ -250,13 +250,7 @@ def replay_run(
         finally:
             trainer.close()
     finally:
-        c.logger.close()
-        c.policy_generation.shutdown()
-        c.policy.shutdown()
-        for env in c.task_to_env.values():
-            env.shutdown()
-        for lock in c.run_locks or ():
-            lock.release()
+        c.close()
     legacy = any(table_info(t).get("trainer") == "legacy" for t in tables)
     return _compare(run_dir, out, steps, skip=_TIMED + (_BYTES if legacy else ()), legacy=legacy)
 

@@ -59,6 +59,18 @@ class RunComponents:
     value_loss_fn: LossFunction | None = None
     run_locks: list[DirLock] | None = None  # this run owns its run (and checkpoint) directory while these live
 
+    def close(self) -> None:
+        """Release everything `setup` built, in the order the store needs (every user of it: run, replay, bench)."""
+        self.logger.close()
+        self.policy_generation.shutdown()
+        if self.value is not None:
+            self.value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
+        self.policy.shutdown()
+        for env in self.task_to_env.values():
+            env.shutdown()
+        for lock in self.run_locks or ():
+            lock.release()
+
 
 @dataclass
 class UserInputs:
@@ -378,15 +390,7 @@ def run_training(
     try:
         _train(cfg, c)
     finally:
-        c.logger.close()
-        c.policy_generation.shutdown()
-        if c.value is not None:
-            c.value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
-        c.policy.shutdown()
-        for env in c.task_to_env.values():
-            env.shutdown()
-        for lock in c.run_locks or ():
-            lock.release()
+        c.close()
     return summarize_run(run_dir)
 
 

@@ -37,6 +37,10 @@ _DTENSOR_KEYS = frozenset(
 )
 
 
+#: `get`'s default when `has` asks: no config value is this object.
+_ABSENT = object()
+
+
 class NemoLayoutError(ValueError):
     """A NeMo RL key whose value would change results and relayrl cannot honour (one line: the key and the fix)."""
 
@@ -86,12 +90,7 @@ class _Translator:
 
     # ------------------------------------------------------------------ primitives
     def has(self, key: str) -> bool:
-        node: Any = self.cfg
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
-        return True
+        return self.get(key, _ABSENT) is not _ABSENT
 
     def get(self, key: str, default: Any = None) -> Any:
         node: Any = self.cfg

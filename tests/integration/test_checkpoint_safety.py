@@ -13,21 +13,9 @@ import pytest
 
 from relayrl.cli.main import main
 from relayrl.utils.checkpoint import DATALOADER_STATE, MANIFEST, RNG_STATE, verify_checkpoint, write_manifest
-from tests.helpers import EXACT_RUN, metrics_by_step, tiny_grpo_overrides
+from tests.helpers import EXACT_RUN, RunsCode, metrics_by_step, tiny_grpo_overrides
 
 STEPS = 3
-
-
-class _RunsCode:
-    """Unpickling this runs a shell command that creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, ...]:
-        import os
-
-        return os.system, (f"touch {self.marker}",)
 
 
 def _overrides(model_dir: Path, steps: int = STEPS) -> list[str]:
@@ -87,7 +75,7 @@ def test_crafted_pickle_is_refused_in_one_line_and_never_runs(
     run_dir = _copy(trained_run, tmp_path)
     step = run_dir / "checkpoints" / "step_3"
     marker = tmp_path / "marker"
-    payload = pickle.dumps(_RunsCode(marker))
+    payload = pickle.dumps(RunsCode(marker))
     if case.endswith("resealed"):
         target = step / (DATALOADER_STATE if case.startswith("dataloader") else RNG_STATE)
         target.write_bytes(payload)
@@ -127,7 +115,7 @@ def test_damaged_newest_checkpoint_is_skipped_and_resume_stays_exact(
     elif damage == "no_manifest":
         (step3 / MANIFEST).unlink()
     else:
-        (step3 / RNG_STATE).write_bytes(pickle.dumps(_RunsCode(marker)))
+        (step3 / RNG_STATE).write_bytes(pickle.dumps(RunsCode(marker)))
     stale = ckpts / "tmp_step_4"
     (stale / "policy").mkdir(parents=True)
     (stale / "policy" / "half_written").write_bytes(b"...")

@@ -7,19 +7,25 @@ prev = [-1,-1,-1], curr = [ln .5 - 1, -1, ln 1.5 - 1] gives ratios [0.5, 1, 1.5]
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
 from relayrl.algorithms.interfaces import LossType, MetricNormalizer
 from relayrl.algorithms.loss_functions import ClippedPGLossFn, NLLLossFn
-from relayrl.config import ClippedPGLossConfig
+from tests.unit.algorithms.loss_cases import (
+    ADV,
+    CURR,
+    PREV,
+    T,
+    cfg,
+    counts,
+    gspo_loss,
+    make_data,
+    run,
+    seq_mask_tis_loss,
+)
 
-T = torch.tensor
-CURR = [math.log(0.5) - 1, -1.0, math.log(1.5) - 1]  # ~[-1.69315, -1.0, -0.59453]
-PREV = [-1.0, -1.0, -1.0]
-ADV = [1.0, -1.0, 2.0]
 EXPECTED_KEYS = {
     "loss",
     "probs_ratio",
@@ -38,48 +44,6 @@ EXPECTED_KEYS = {
     "approx_entropy",
     "positive_nll_loss",
 }
-
-
-def cfg(**kw: Any) -> ClippedPGLossConfig:
-    return ClippedPGLossConfig(**{"reference_policy_kl_penalty": 0.0, **kw})
-
-
-def make_data(
-    adv: list,
-    prev: list,
-    gen: list | None = None,
-    ref: list | None = None,
-    token_mask: list | None = None,
-    sample_mask: list | None = None,
-) -> dict[str, torch.Tensor]:
-    """Token-aligned [B, S] tensors from per-loss-position rows (a leading 0 column is added)."""
-
-    def aligned(rows: list) -> torch.Tensor:
-        t = T(rows if isinstance(rows[0], list) else [rows], dtype=torch.float32)
-        return torch.cat([torch.zeros(t.shape[0], 1), t], dim=1)
-
-    prev_t = aligned(prev)
-    b, s = prev_t.shape
-    tm = aligned(token_mask) if token_mask is not None else torch.cat([torch.zeros(b, 1), torch.ones(b, s - 1)], 1)
-    return {
-        "token_mask": tm,
-        "sample_mask": T(sample_mask if sample_mask is not None else [1.0] * b),
-        "advantages": aligned(adv),
-        "prev_logprobs": prev_t,
-        "generation_logprobs": aligned(gen) if gen is not None else prev_t.clone(),
-        "reference_policy_logprobs": aligned(ref) if ref is not None else prev_t.clone(),
-    }
-
-
-def counts(data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    sm = data["sample_mask"]
-    return sm.sum(), (data["token_mask"][:, 1:] * sm.unsqueeze(-1)).sum()
-
-
-def run(loss_fn: Any, curr: list, data: dict[str, torch.Tensor], grad: bool = False):
-    c = T(curr if isinstance(curr[0], list) else [curr], requires_grad=grad)
-    loss, metrics = loss_fn(c, data, *counts(data))
-    return (loss, metrics, c) if grad else (loss, metrics)
 
 
 # ------------------------------------------------------------------------------------------------ PPO family
@@ -275,174 +239,6 @@ def test_token_vs_sequence_level_aggregation() -> None:
     assert seq_fn.loss_type == LossType.SEQUENCE_LEVEL
 
 
-# ------------------------------------------------------------------------------------------------ importance sampling
-def test_on_policy_kl_approximation_with_is_correction() -> None:
-    fn = ClippedPGLossFn(cfg(use_on_policy_kl_approximation=True, use_importance_sampling_correction=True))
-    loss, _ = run(fn, CURR, make_data(ADV, PREV, gen=[-0.5, -1.5, -0.8]))
-    w = [math.exp(-0.5), math.exp(0.5), math.exp(-0.2)]
-    assert loss.item() == pytest.approx((w[0] * -0.5 + w[1] * 1.0 + w[2] * -2.4) / 3, abs=1e-4)  # -0.2065
-
-
-def test_truncated_is_tis() -> None:
-    fn = ClippedPGLossFn(
-        cfg(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="tis",
-            truncated_importance_sampling_ratio=0.8,
-        )
-    )
-    loss, m = run(fn, CURR, make_data(ADV, PREV, gen=[-0.5, -1.5, -0.8]))
-    assert loss.item() == pytest.approx((math.exp(-0.5) * -0.5 + 0.8 * 1.0 + 0.8 * -2.4) / 3, abs=1e-4)  # -0.4744
-    assert m["is_oob_ratio"] == pytest.approx(2 / 3)
-
-
-def test_truncated_is_tis_gspo() -> None:
-    fn = ClippedPGLossFn(
-        cfg(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="tis",
-            truncated_importance_sampling_ratio=0.8,
-            sequence_level_importance_ratios=True,
-            token_level_loss=False,
-        )
-    )
-    loss, m = run(fn, CURR, make_data(ADV, PREV, gen=[-0.5, -1.5, -0.8]))
-    assert loss.item() == pytest.approx(-0.4846, abs=1e-4)
-    assert m["sampling_importance_ratio"] == pytest.approx(0.8, abs=1e-6)
-
-
-def test_icepop_zeroes_out_of_range_tokens() -> None:
-    fn = ClippedPGLossFn(
-        cfg(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="icepop",
-            truncated_importance_sampling_ratio=5.0,
-            truncated_importance_sampling_ratio_min=0.5,
-        )
-    )
-    loss, m = run(fn, PREV, make_data(ADV, PREV, gen=[-0.5, -3.5, -0.8]))
-    assert loss.item() == pytest.approx((math.exp(-0.5) * -1 + math.exp(-0.2) * -2) / 3, abs=1e-4)  # -0.7480
-    assert m["is_oob_ratio"] == pytest.approx(1 / 3)
-
-
-def test_is_oob_ratio_tis() -> None:
-    fn = ClippedPGLossFn(
-        cfg(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="tis",
-            truncated_importance_sampling_ratio=2.0,
-        )
-    )
-    prev = [0.0, math.log(3.0), math.log(0.5)]
-    _, m = run(fn, prev, make_data(ADV, prev, gen=[0.0] * 3))
-    assert m["is_oob_ratio"] == pytest.approx(1 / 3)
-
-
-@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
-def test_tis_min_above_max_rejected(kind: str) -> None:
-    with pytest.raises(ValueError, match="truncated_importance_sampling_ratio_min must be <= truncated_importance"):
-        ClippedPGLossFn(
-            cfg(
-                use_importance_sampling_correction=True,
-                truncated_importance_sampling_type=kind,
-                truncated_importance_sampling_ratio=1.0,
-                truncated_importance_sampling_ratio_min=2.0,
-            )
-        )
-
-
-@pytest.mark.parametrize(
-    ("kw", "match"),
-    [
-        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0}, "use_importance"),
-        ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"}, "positive"),
-        (
-            {
-                "use_importance_sampling_correction": True,
-                "truncated_importance_sampling_type": "icepop",
-                "truncated_importance_sampling_ratio": 2.0,
-            },
-            "ratio_min must be set",
-        ),
-        ({"sequence_level_importance_ratios": True}, "mutually exclusive with token-level loss"),
-    ],
-)
-def test_construction_checks(kw: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        ClippedPGLossFn(cfg(**kw))
-
-
-@pytest.mark.parametrize(("tis_min", "weights", "oob"), [(None, [0.1, 1.0, 2.0], 1 / 3), (0.5, [0.5, 1.0, 2.0], 2 / 3)])
-def test_tis_min_default_zero(tis_min: float | None, weights: list[float], oob: float) -> None:
-    fn = ClippedPGLossFn(
-        cfg(
-            force_on_policy_ratio=True,
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="tis",
-            truncated_importance_sampling_ratio=2.0,
-            truncated_importance_sampling_ratio_min=tis_min,
-        )
-    )
-    loss, m = run(fn, [math.log(0.1), 0.0, math.log(3.0)], make_data(ADV, [0.0] * 3, gen=[0.0] * 3))
-    assert loss.item() == pytest.approx(sum(-a * w for a, w in zip(ADV, weights)) / 3, abs=1e-4)
-    assert m["is_oob_ratio"] == pytest.approx(oob)
-
-
-def _seq_mask_tis_fn() -> ClippedPGLossFn:
-    return ClippedPGLossFn(
-        cfg(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type="seq-mask-tis",
-            truncated_importance_sampling_ratio=1.002,
-            truncated_importance_sampling_ratio_min=0.999,
-        )
-    )
-
-
-def test_seq_mask_tis_keeps_close_sequence() -> None:
-    gen = [p - 0.0005 for p in PREV]
-    loss, m = run(_seq_mask_tis_fn(), PREV, make_data(ADV, PREV, gen=gen))
-    assert loss.item() == pytest.approx(math.exp(0.0005) * -2 / 3, abs=1e-6)
-    assert m["is_oob_ratio"] == 0.0
-
-
-def test_seq_mask_tis_drops_far_sequence_and_survives_neg_inf() -> None:
-    far, _ = run(_seq_mask_tis_fn(), PREV, make_data(ADV, PREV, gen=[-1.1] * 3))
-    assert far.item() == 0.0
-    gen = [PREV[0] - 0.0005, float("-inf"), PREV[2] - 0.0005]
-    loss, m = run(_seq_mask_tis_fn(), PREV, make_data(ADV, PREV, gen=gen))
-    assert math.isfinite(loss.item())
-    # middle weight exp(+inf) -> 0; the sequence stays kept (geo-mean uses 0 there)
-    assert loss.item() == pytest.approx(math.exp(0.0005) * (-1 - 2) / 3, abs=1e-6)
-    assert m["is_oob_ratio"] == 0.0
-
-
-# ------------------------------------------------------------------------------------------------ GSPO
-def _gspo(**kw: Any) -> ClippedPGLossFn:
-    return ClippedPGLossFn(cfg(sequence_level_importance_ratios=True, token_level_loss=False, **kw))
-
-
-def test_gspo_sequence_ratio() -> None:
-    loss, m = run(_gspo(), CURR, make_data(ADV, PREV))
-    r = math.exp((math.log(0.5) + math.log(1.5)) / 3)  # 0.9086
-    assert loss.item() == pytest.approx(-r * 2 / 3, abs=1e-4)  # -0.6057
-    assert m["probs_ratio_min"] == pytest.approx(r, abs=1e-5) and m["probs_ratio_max"] == pytest.approx(r, abs=1e-5)
-
-
-def test_gspo_two_rows() -> None:
-    loss, _ = run(_gspo(), [CURR, CURR], make_data([ADV, ADV], [PREV, [-2.0] * 3]))
-    r1 = math.exp((math.log(0.5) + math.log(1.5)) / 3)
-    r2 = math.exp(sum(c + 2 for c in CURR) / 3)  # 2.4697 -> clamped 1.2
-    row1 = -r1 * 2 / 3
-    row2 = (-1.2 + r2 - 2.4) / 3
-    assert loss.item() == pytest.approx((row1 + row2) / 2, abs=1e-4)  # -0.4912
-
-
-def test_gspo_with_is_correction() -> None:
-    loss, _ = run(_gspo(use_importance_sampling_correction=True), CURR, make_data(ADV, PREV, gen=[-0.5, -1.5, -0.8]))
-    assert loss.item() == pytest.approx(-0.6057 * math.exp(-0.2), abs=1e-4)  # -0.4959
-
-
 # ------------------------------------------------------------------------------------------------ VAPO NLL
 def test_positive_example_nll() -> None:
     fn = ClippedPGLossFn(cfg(force_on_policy_ratio=True, positive_example_nll_weight=0.5))
@@ -464,10 +260,10 @@ def test_metric_normalizers() -> None:
     assert all(default[k] == none for k in ("num_valid_samples", "probs_ratio_min", "positive_nll_loss"))
     assert "is_oob_ratio" not in default
     assert set(default) == EXPECTED_KEYS
-    gspo = _gspo().metric_normalizations
+    gspo = gspo_loss().metric_normalizations
     assert gspo["loss"] == gspo["kl_penalty"] == gspo["sampling_importance_ratio"] == seq
     assert gspo["approx_entropy"] == gspo["gen_kl_error"] == tok
-    smt = _seq_mask_tis_fn().metric_normalizations
+    smt = seq_mask_tis_loss().metric_normalizations
     assert smt["loss"] == tok and smt["is_oob_ratio"] == seq
     tis_seq = ClippedPGLossFn(
         cfg(
