@@ -267,7 +267,7 @@ class SyncRolloutActor:
         return BatchedDataDict({k: builders[k]() for k in wanted})
 
     # ------------------------------------------------------------------ observability and lifecycle
-    def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str:
+    def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: SyncRolloutActor | None = None) -> str:
         """Write the flight recorder file of a step whose keys are still in the store; returns its path.
         `rows_from`: the actor that rolled the step out, when not this one (the async producer, whose client
         stays its own thread's: the store is read through this actor's)."""
