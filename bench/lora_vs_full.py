@@ -99,7 +99,7 @@ def child(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     c = setup_mod.setup(cfg, run_dir)
     try:
-        setup_mod._train(cfg, c)  # the trainer run_training would pick, with the policy kept alive afterwards
+        setup_mod.train_components(cfg, c)  # the trainer run_training would pick, with the policy kept alive afterwards
         worker = c.policy._group.worker(0)
         model = worker.model
         opt_state = [t for st in worker.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]

@@ -101,8 +101,8 @@ class StepMeter:
 
 
 # ---------------------------------------------------------------------------------------------------- TRL worker
-def run_trl(model_dir: str, total_steps: int, lr: float, work_dir: Path) -> dict[str, Any]:
-    """TRL GRPOTrainer; per-step wall time, rollout/sampling phase time and generated tokens."""
+def run_trl(model_dir: str, total_steps: int, lr: float, work_dir: Path, threads: int = 1) -> dict[str, Any]:
+    """TRL GRPOTrainer with `threads` torch threads; per-step wall time, rollout/sampling phase time, tokens."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -111,7 +111,7 @@ def run_trl(model_dir: str, total_steps: int, lr: float, work_dir: Path) -> dict
     from relayrl.environments.math_env import MathEnvironment
     from relayrl.experience.arithmetic import all_problems, split_problems
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, _ = split_problems(all_problems(), num_val=200)
     rows = [
@@ -208,22 +208,31 @@ def relayrl_overrides(model_dir: str, total_steps: int, lr: float) -> list[str]:
         "logger.num_train_samples_to_log=0",
         "cluster.torch_num_threads=1",
         "cluster.device=cpu",
-        "data_plane.enabled=false",  # grpo_train (legacy) is what this script drives; both trainers time the same
     ]
 
 
+#: `--relayrl-trainer`: the overrides that select each trainer (legacy: grpo_train, driver-held batches; sync: the
+#: data-plane trainer; async: the data-plane trainer with generation one step ahead, max_trajectory_age_steps=1, its
+#: engine in a child process with its own thread, so relayrl has the machine's 2 cores as TRL with 2 threads has).
+TRAINERS: dict[str, list[str]] = {
+    "legacy": ["data_plane.enabled=false"],
+    "sync": ["data_plane.enabled=true"],
+    "async": ["data_plane.enabled=true", "grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1"],
+}
+
+
 def run_relayrl(
-    model_dir: str, total_steps: int, lr: float, work_dir: Path, extra: list[str] | None = None
+    model_dir: str, total_steps: int, lr: float, work_dir: Path, extra: list[str] | None = None, trainer: str = "legacy"
 ) -> dict[str, Any]:
-    """relayrl through its public API; step ends are taken when the loop logs `timing/train`."""
+    """relayrl through its public set-up and the trainer the config selects; step ends are taken when the loop
+    logs `timing/train`. The legacy trainer's engine and policy calls are CPU-timed by phase as well."""
     import torch
 
-    from relayrl.algorithms.grpo import grpo_train
-    from relayrl.algorithms.setup import setup
+    from relayrl.algorithms.setup import setup, train_components
     from relayrl.utils.config_io import load_config
 
     torch.set_num_threads(1)
-    cfg = load_config(None, relayrl_overrides(model_dir, total_steps, lr) + list(extra or []))
+    cfg = load_config(None, relayrl_overrides(model_dir, total_steps, lr) + TRAINERS[trainer] + list(extra or []))
     run_dir = work_dir / "relayrl_run"
     c = setup(cfg, run_dir)
     meter = StepMeter()
@@ -235,26 +244,14 @@ def run_relayrl(
         log_metrics(metrics, step, prefix=prefix)
 
     c.logger.log_metrics = clocked
-    meter.wrap(c.policy_generation, "generate", "generation")
-    meter.wrap(c.policy, "get_logprobs", "logprobs")
-    meter.wrap(c.policy, "get_reference_policy_logprobs", "logprobs")
-    meter.wrap(c.policy, "train", "train")
+    if trainer == "legacy":  # the async producer has its own engine (in another process): phases come from metrics
+        meter.wrap(c.policy_generation, "generate", "generation")
+        meter.wrap(c.policy, "get_logprobs", "logprobs")
+        meter.wrap(c.policy, "get_reference_policy_logprobs", "logprobs")
+        meter.wrap(c.policy, "train", "train")
     meter.start()
     try:
-        grpo_train(
-            c.policy,
-            c.policy_generation,
-            c.dataloader,
-            c.val_dataloader,
-            c.tokenizer,
-            c.loss_fn,
-            c.task_to_env,
-            c.val_task_to_env,
-            c.logger,
-            c.checkpointer,
-            c.save_state,
-            cfg,
-        )
+        train_components(cfg, c)
     finally:
         c.close()
     by_step: dict[int, dict[str, Any]] = {}
@@ -284,17 +281,18 @@ def run_worker(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench_{args.worker}_") as tmp:
         total = args.steps + args.warmup
         if args.worker == "trl":
-            rec = run_trl(args.model_dir, total, args.lr, Path(tmp))
+            rec = run_trl(args.model_dir, total, args.lr, Path(tmp), args.threads)
         else:
-            rec = run_relayrl(args.model_dir, total, args.lr, Path(tmp), args.relayrl_override)
+            rec = run_relayrl(args.model_dir, total, args.lr, Path(tmp), args.relayrl_override, args.relayrl_trainer)
     rec["load_start"], rec["load_end"] = load, os.getloadavg()[0]
     Path(args.out).write_text(json.dumps(rec))
 
 
-def spawn(kind: str, model_dir: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+def spawn(kind: str, model_dir: str, args: argparse.Namespace, out: Path, threads: int = 1) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", model_dir, "--out", str(out)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--threads", str(threads)]
+    cmd += ["--relayrl-trainer", args.relayrl_trainer]
     for item in args.relayrl_override:
         cmd += ["--relayrl-override", item]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -351,6 +349,13 @@ def main() -> None:
         "--relayrl-override", action="append", default=[], metavar="KEY=VALUE", help="extra relayrl override (repeat)"
     )
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES), help="tiny (0.56M) or 25m parameters")
+    p.add_argument(
+        "--trl-threads", type=int, nargs="+", default=[1, 2], help="TRL runs at each; its fastest is the comparison"
+    )
+    p.add_argument(
+        "--relayrl-trainer", default="async", choices=sorted(TRAINERS), help="relayrl trainer (see TRAINERS)"
+    )
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["trl", "relayrl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -368,20 +373,31 @@ def main() -> None:
         dims = ", ".join(f"{k}={v}" for k, v in MODEL_SIZES[args.model_size].items())
         print(f"model: random Qwen2 ({args.model_size}: {dims}), {n_params:,} params; ", end="")
         print(f"{NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
-        print(f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}, 1 thread, fp32; ", end="")
+        print(
+            f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}, fp32; TRL threads {args.trl_threads}, ",
+            end="",
+        )
+        print(f"relayrl {args.relayrl_trainer} (1 thread per side); ", end="")
         print(f"{args.rounds} rounds x {args.steps} steady steps (+{args.warmup} warm-up) each")
-        runs: dict[str, list[dict[str, Any]]] = {"trl": [], "relayrl": []}
+        sides = [(f"trl{t}", "trl", t) for t in args.trl_threads] + [("relayrl", "relayrl", 1)]
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in sides}
         for r in range(args.rounds):
-            for kind in ("trl", "relayrl"):
-                rec = spawn(kind, model_dir, args, Path(tmp) / f"{kind}_{r}.json")
-                runs[kind].append(rec)
-                print(f"round {r + 1} {kind:8s} median step {_median(rec['step_s'][args.warmup :]):.3f} s", flush=True)
+            for name, kind, threads in sides:
+                rec = spawn(kind, model_dir, args, Path(tmp) / f"{name}_{r}.json", threads)
+                runs[name].append(rec)
+                print(f"round {r + 1} {name:8s} median step {_median(rec['step_s'][args.warmup :]):.3f} s", flush=True)
     print()
-    trl, rl = summarize("TRL", runs["trl"], args.warmup), summarize("relayrl", runs["relayrl"], args.warmup)
+    trl_by_threads = {t: summarize(f"TRL x{t}", runs[f"trl{t}"], args.warmup) for t in args.trl_threads}
+    fastest = min(trl_by_threads, key=lambda t: trl_by_threads[t]["wall"])
+    runs["trl"] = runs[f"trl{fastest}"]
+    trl = trl_by_threads[fastest]
+    rl = summarize(f"relayrl ({args.relayrl_trainer})", runs["relayrl"], args.warmup)
+    print(f"TRL's fastest thread count: {fastest} (the comparison below uses it)")
     print("CPU s/step by phase, medians. TRL: logprobs = rollout - sampling (reference pass, reward, advantages),")
     print("  train = rest of step. relayrl: logprobs = prev + reference passes; other = reward, data, advantages, log")
     print(f"  {'':8s} {'generation':>10s} {'logprobs':>10s} {'train':>10s} {'other':>10s} {'step':>10s}")
-    for name in ("trl", "relayrl"):
+    cpu_sides = ("trl", "relayrl") if args.relayrl_trainer == "legacy" else ("trl",)  # async: phases overlap
+    for name in cpu_sides:
         rows = _cpu_phase_rows(runs[name], args.warmup, trl=name == "trl")
         cols = [_median([ph[k] for ph in rows]) for k in ("generation", "logprobs", "train", "other", "step")]
         print(f"  {name:8s} " + " ".join(f"{c:10.4f}" for c in cols))
@@ -393,6 +409,7 @@ def main() -> None:
     print(
         f"\nratio relayrl/TRL: median step wall {ratio:.3f} (target <= 0.5: {'PASS' if ratio <= 0.5 else 'FAIL'}); "
         f"p10 wall {rl['p10'] / trl['p10']:.3f}; median CPU s/step {rl['cpu'] / trl['cpu']:.3f}"
+        + ("" if args.relayrl_trainer == "legacy" else " (relayrl's generation process not counted)")
     )
 
 

@@ -28,7 +28,7 @@ from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generatio
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.algorithms.validation import Envs, sync_validator
-from relayrl.config import MasterConfig
+from relayrl.config import GenerationConfig, MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import REFERENCE_POLICY_LOGPROBS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
@@ -73,8 +73,6 @@ def grpo_train_async(
     if not (cfg.data_plane.enabled and cfg.grpo.async_grpo.enabled):
         raise ValueError("grpo_train_async needs data_plane.enabled=true and grpo.async_grpo.enabled=true")
     raise_if_message_level_advantage_penalties_enabled(cfg)
-    from relayrl.models.generation.hf_generation import HfGeneration
-
     timer = Timer()
     actor_cls = rollout_actor_cls(cfg)
     val_actor: RolloutActor = actor_cls(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
@@ -84,14 +82,7 @@ def grpo_train_async(
     gen_cfg = cfg.policy.generation.model_copy(
         update={"colocated": cfg.policy.generation.colocated.model_copy(update={"enabled": False})}
     )
-    engine = HfGeneration(
-        gen_cfg,
-        tokenizer,
-        pin,
-        device=source.device,
-        max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        seed=cfg.grpo.seed,
-    )
+    engine = _producer_engine(cfg, gen_cfg, tokenizer, pin, source.device)
     producer_actor: RolloutActor = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
     steps: GRPOAsyncSteps | None = None
     try:
@@ -122,6 +113,39 @@ def grpo_train_async(
             steps.close()
         raise
     return run_loop(steps, parts)
+
+
+def _producer_engine(
+    cfg: MasterConfig, gen_cfg: GenerationConfig, tokenizer: Tokenizer, pin: _PinnedSource, device: Any
+) -> Any:
+    """The producer's private engine: in a child process (`grpo.async_grpo.generator=process`, CPU), so decoding
+    does not share the trainer's interpreter lock; else an `HfGeneration` driven from the producer thread."""
+    a = cfg.grpo.async_grpo
+    if a.generator == "process" and torch.device(device).type == "cpu":
+        from relayrl.models.generation.process_generation import ProcessGeneration
+
+        c = cfg.cluster
+        return ProcessGeneration(
+            gen_cfg,
+            tokenizer,
+            pin.model,
+            pin.weights_version,
+            max_total_sequence_length=cfg.policy.max_total_sequence_length,
+            seed=cfg.grpo.seed,
+            num_threads=a.generation_threads or c.torch_num_threads,
+            deterministic=c.deterministic,
+            retain_freed_memory=c.retain_freed_memory,
+        )
+    from relayrl.models.generation.hf_generation import HfGeneration
+
+    return HfGeneration(
+        gen_cfg,
+        tokenizer,
+        pin,
+        device=device,
+        max_total_sequence_length=cfg.policy.max_total_sequence_length,
+        seed=cfg.grpo.seed,
+    )
 
 
 class GRPOAsyncSteps(GRPOSyncSteps):

@@ -388,13 +388,13 @@ def run_training(
     if announce:
         print(run_banner(cfg, run_dir), flush=True)
     try:
-        _train(cfg, c)
+        train_components(cfg, c)
     finally:
         c.close()
     return summarize_run(run_dir)
 
 
-def _train(cfg: MasterConfig, c: RunComponents) -> None:
+def train_components(cfg: MasterConfig, c: RunComponents) -> None:
     """The trainer `cfg` selects: GRPO or PPO, through the data plane or the driver."""
     envs, val_envs, loader, val_loader = c.task_to_env, c.val_task_to_env, c.dataloader, c.val_dataloader
     if cfg.algorithm == "ppo":

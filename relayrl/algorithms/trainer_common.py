@@ -92,23 +92,30 @@ def guard_update(result: dict[str, Any], step: int) -> None:
 
 def on_policy_single_step(cfg: MasterConfig) -> bool:
     """True when `grpo.skip_prev_logprobs_when_on_policy` applies: every training step is exactly one optimizer
-    step on rollouts of the current weights, so a separate old-policy logprob pass would recompute what the
-    training forward already has."""
+    step, so the old policy (pi_old) is the very weights the training forward runs with and a separate old-policy
+    logprob pass would recompute what that forward already has (its detached logprobs are pi_old).
+
+    In asynchronous GRPO with stale samples the same holds: pi_old is the trainer's weights at the step's start, not
+    the generator's; the importance-sampling weight pi_old / pi_generator is then taken from the training forward
+    (`effective_loss_config` keeps the correction on), so stale samples are corrected exactly as with a separate pass.
+    Not when something reads pi_old before training: the sequence-level logprob-error threshold, a KL-in-reward
+    estimator, CISPO / REINFORCE losses."""
     g, loss = cfg.grpo, cfg.loss_fn
     return (
         cfg.algorithm == "grpo"
-        and not off_policy_async(cfg)
         and g.skip_prev_logprobs_when_on_policy
         and g.rows_per_step == cfg.policy.train_global_batch_size
         and g.seq_logprob_error_threshold is None
         and not loss.use_cispo
         and not loss.disable_ppo_ratio
+        and not loss.use_kl_in_reward
     )
 
 
 def off_policy_async(cfg: MasterConfig) -> bool:
-    """True for asynchronous GRPO with a staleness bound above 0: samples may come from older weights, so the old
-    policy's logprobs are always recomputed and the loss applies the importance-sampling correction."""
+    """True for asynchronous GRPO with a staleness bound above 0: samples may come from older weights, so the loss
+    applies the importance-sampling correction pi_old / pi_generator (pi_old recomputed with the trainer's weights:
+    by a separate pass, or by the training forward itself when `on_policy_single_step`)."""
     a = cfg.grpo.async_grpo
     return cfg.algorithm == "grpo" and a.enabled and a.max_trajectory_age_steps > 0
 
@@ -116,11 +123,12 @@ def off_policy_async(cfg: MasterConfig) -> bool:
 def effective_loss_config(cfg: MasterConfig) -> ClippedPGLossConfig:
     """The loss config the trainer actually uses: the ratio is forced on-policy when the prev pass is skipped;
     off-policy async GRPO always corrects by importance sampling (pi_old / pi_generator, truncated as configured)."""
+    update: dict[str, bool] = {}
     if on_policy_single_step(cfg) and not cfg.loss_fn.force_on_policy_ratio:
-        return cfg.loss_fn.model_copy(update={"force_on_policy_ratio": True})
+        update["force_on_policy_ratio"] = True
     if off_policy_async(cfg) and not cfg.loss_fn.use_importance_sampling_correction:
-        return cfg.loss_fn.model_copy(update={"use_importance_sampling_correction": True})
-    return cfg.loss_fn
+        update["use_importance_sampling_correction"] = True
+    return cfg.loss_fn.model_copy(update=update) if update else cfg.loss_fn
 
 
 def resolve_logprob_skip_flags(cfg: MasterConfig) -> tuple[bool, bool]:

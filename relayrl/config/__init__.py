@@ -333,8 +333,19 @@ def _async_grpo_problem(cfg: MasterConfig) -> str | None:
         return f"grpo.async_grpo.enabled=true needs data_plane.backend=memory for now (got {cfg.data_plane.backend!r})"
     if g.use_dynamic_sampling:
         return "grpo.async_grpo.enabled=true with grpo.use_dynamic_sampling: a step's batch would depend on later ones"
-    if a.max_trajectory_age_steps > 0 and cfg.loss_fn.force_on_policy_ratio:
-        return "loss_fn.force_on_policy_ratio=true with grpo.async_grpo.max_trajectory_age_steps > 0: stale samples need the ratio"
+    if (
+        a.max_trajectory_age_steps > 0
+        and cfg.loss_fn.force_on_policy_ratio
+        and g.rows_per_step != cfg.policy.train_global_batch_size
+    ):
+        return (
+            "loss_fn.force_on_policy_ratio=true with grpo.async_grpo.max_trajectory_age_steps > 0 and several "
+            "optimizer steps per batch: later steps need the ratio; set it false"
+        )
+    if a.generation_threads is not None and a.generator != "process":
+        return (
+            "grpo.async_grpo.generation_threads needs grpo.async_grpo.generator=process (a thread shares the trainer's)"
+        )
     if a.in_flight_weight_updates:
         return "grpo.async_grpo.in_flight_weight_updates=true: the local generator refits between batches; set it false"
     if cfg.policy.generation.kv_cache_dtype == "fp8":

@@ -310,6 +310,16 @@ class _Translator:
         r = self.section
         self.drop(f"{r}.calculate_advantages_on_gpu", f"{r}.debug_payload_metrics", f"{r}.deduplicate_multimodal_data")
         self.drop(f"{r}.adv_estimator.reward_weights", allowed=(None,), why="relayrl has no GDPO; set null")
+        a = f"{r}.async_grpo"  # enabled, max_trajectory_age_steps and in_flight_weight_updates are relayrl's keys too
+        self.drop(
+            f"{a}.max_generation_failures",
+            allowed=(0,),
+            why="relayrl's producer ends the run at its first failure, with the command that resumes; set 0",
+        )
+        # relayrl refits its generator between batches, so no KV cache ever outlives its weights: either value holds
+        self.drop(f"{a}.recompute_kv_cache_after_weight_updates")
+        if self.get(a) is None and self.has(a):  # the reference's "no async" spelling
+            self.pop(a)
 
     def _data(self) -> None:
         if self.has("data.train.dataset_name"):

@@ -53,6 +53,8 @@ def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
     a = _run(tmp_path, tiny_model_dir, "a", *ASYNC)
     b = _run(tmp_path, tiny_model_dir, "b", *ASYNC)
     assert a == b
+    # the generation process samples exactly what an engine in the producer thread samples
+    assert _run(tmp_path, tiny_model_dir, "thread", *ASYNC, "grpo.async_grpo.generator=thread") == a
     sync = _run(tmp_path, tiny_model_dir, "sync")
     for key in ("train/reward", "train/mean_gen_tokens_per_sample"):  # batch 1: the initial weights either way
         assert a[1][key] == sync[1][key]
@@ -63,6 +65,20 @@ def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
     assert [a[s]["train/async/trajectory_age_hist/1"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
     # stale samples: pi_old recomputed, so the IS weight pi_old / pi_generator departs from 1
     assert a[STEPS]["train/sampling_importance_ratio"] != 1.0
+
+
+def test_old_policy_from_the_training_forward_equals_a_separate_pass(tmp_path, tiny_model_dir):
+    """One optimizer step per batch: pi_old is the trainer's weights at the step's start, so the training forward's
+    detached log-probs are pi_old. Against the separate old-policy pass (the reference's way), every step's loss,
+    gradient and importance weight agree to float rounding, on stale (age 1) samples."""
+    fused = _run(tmp_path, tiny_model_dir, "fused", *ASYNC)
+    separate = _run(tmp_path, tiny_model_dir, "separate", *ASYNC, "grpo.skip_prev_logprobs_when_on_policy=false")
+    assert [fused[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+    for step in range(1, STEPS + 1):
+        for key in ("train/loss", "train/grad_norm", "train/sampling_importance_ratio", "train/reward"):
+            assert fused[step][key] == pytest.approx(separate[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert fused[STEPS]["train/sampling_importance_ratio"] != 1.0  # the stale samples are corrected
+    assert separate[STEPS]["train/probs_ratio"] == pytest.approx(1.0, abs=1e-5)  # pi_theta == pi_old at one step
 
 
 def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir):
@@ -187,7 +203,7 @@ def test_producer_death_ends_the_run_with_one_line(tmp_path, tiny_model_dir, mon
         (("data_plane.enabled=false",), "needs data_plane.enabled=true"),
         (("grpo.use_dynamic_sampling=true",), "use_dynamic_sampling"),
         (("grpo.async_grpo.in_flight_weight_updates=true",), "in_flight_weight_updates"),
-        (("loss_fn.force_on_policy_ratio=true",), "force_on_policy_ratio"),
+        (("loss_fn.force_on_policy_ratio=true", "policy.train_global_batch_size=8"), "force_on_policy_ratio"),
         (("data_plane.backend=transfer_queue",), "data_plane.backend=memory"),
         (("cluster.executor=ray",), "cluster.executor=local"),
     ],

@@ -57,6 +57,26 @@ def test_keys_with_a_relayrl_meaning_move_there() -> None:
     ]
 
 
+def test_async_grpo_keeps_its_keys_and_names_the_engine_only_ones() -> None:
+    block = {
+        "enabled": True,
+        "max_trajectory_age_steps": 2,
+        "in_flight_weight_updates": False,
+        "max_generation_failures": 0,
+        "recompute_kv_cache_after_weight_updates": True,
+    }
+    cfg, unused = translate({"grpo": {"async_grpo": block}, "data_plane": {"enabled": True}})
+    a = MasterConfig.model_validate(cfg).grpo.async_grpo
+    assert (a.enabled, a.max_trajectory_age_steps, a.in_flight_weight_updates) == (True, 2, False)
+    assert unused == [
+        "grpo.async_grpo.max_generation_failures",
+        "grpo.async_grpo.recompute_kv_cache_after_weight_updates",
+    ]
+    with pytest.raises(NemoLayoutError, match=r"^grpo.async_grpo.max_generation_failures=3: relayrl's producer"):
+        translate({"grpo": {"async_grpo": {**block, "max_generation_failures": 3}}})
+    assert translate({"grpo": {"async_grpo": None}})[0] == {"grpo": {}}  # the single-controller spelling of "off"
+
+
 def test_warmup_scheduler_list_becomes_relayrl_warmup() -> None:
     linear = {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 0.1, "end_factor": 1.0}}
     linear["kwargs"]["total_iters"] = 50  # type: ignore[index]

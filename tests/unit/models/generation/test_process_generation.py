@@ -1,0 +1,78 @@
+"""ProcessGeneration: the engine in a child process samples what the in-process engine samples, refits from a
+weights snapshot, round-trips its RNG, and reports a child's error or death in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from relayrl.config import ColocatedConfig, GenerationConfig
+from relayrl.models.generation.hf_generation import HfGeneration
+from relayrl.models.generation.process_generation import GenerationProcessError, ProcessGeneration
+from tests.helpers import build_test_model
+from tests.unit.models.generation.test_hf_generation import PROMPTS, Source, _batch, _sharpen
+
+CFG = GenerationConfig(max_new_tokens=6, colocated=ColocatedConfig(enabled=False))
+
+
+@pytest.fixture
+def engines(char_tokenizer):
+    """(in-process engine, process engine) over the same weights and seed."""
+    model = _sharpen(build_test_model(char_tokenizer))
+    local = HfGeneration(CFG, char_tokenizer, Source(model), seed=7)
+    remote = ProcessGeneration(
+        CFG, char_tokenizer, model, 0, max_total_sequence_length=None, seed=7, num_threads=1, deterministic=True
+    )
+    yield local, remote, model
+    remote.shutdown()
+
+
+def _same(a, b) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_samples_what_the_in_process_engine_samples(engines, char_tokenizer):
+    local, remote, _ = engines
+    batch = _batch(char_tokenizer, PROMPTS)
+    for _ in range(2):  # the generator advances alike on both sides
+        _same(local.generate(batch), remote.generate(batch))
+    state = remote.get_rng_state()
+    first = remote.generate(batch)
+    remote.set_rng_state(state)
+    _same(remote.generate(batch), first)
+
+
+def test_refits_from_a_weights_snapshot(engines, char_tokenizer):
+    local, remote, model = engines
+    batch = _batch(char_tokenizer, PROMPTS)
+    before = remote.generate(batch, greedy=True)
+    live = model.state_dict()["lm_head.weight"].clone()
+    snapshot = {k: v.detach().clone() * 1.5 for k, v in model.state_dict().items()}
+    local.load_weights(snapshot, 3)
+    local._source.weights_version = 3
+    remote.load_weights(snapshot, 3)
+    after = remote.generate(batch, greedy=True)
+    _same(local.generate(batch, greedy=True), after)
+    assert not torch.equal(before["output_ids"], after["output_ids"])
+    assert torch.equal(model.state_dict()["lm_head.weight"], live)  # the live module is never touched
+
+
+def test_an_error_in_the_child_is_one_line_and_the_engine_lives_on(engines, char_tokenizer):
+    _, remote, _ = engines
+    with pytest.raises(GenerationProcessError, match=r"in generate: ValueError: generate\(\) input is missing"):
+        remote.generate(_batch(char_tokenizer, PROMPTS).select_keys(["input_lengths"]))
+    assert remote.generate(_batch(char_tokenizer, PROMPTS))["output_ids"].shape[0] == len(PROMPTS)
+
+
+def test_a_dead_child_is_reported_with_its_exit_code(engines, char_tokenizer):
+    _, remote, _ = engines
+    os.kill(remote._proc.pid, signal.SIGKILL)
+    remote._proc.join(timeout=10)
+    with pytest.raises(GenerationProcessError, match=r"generation process exited \(code -9\)"):
+        remote.generate(_batch(char_tokenizer, PROMPTS))
+    assert remote.shutdown()
