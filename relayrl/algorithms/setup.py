@@ -119,13 +119,20 @@ def check_trainer_executor(cfg: MasterConfig) -> None:
 
 
 def start_ray_for_run(cfg: MasterConfig) -> None:
-    """Start (or join) Ray sized for every worker group of the run: policy, value (PPO) and generation ranks."""
-    if cfg.cluster.executor != "ray":
+    """Start (or join) Ray sized for every worker group of the run: policy, value (PPO) and generation ranks. The
+    local executor needs Ray only for a Ray-hosted data plane (`ray`, `transfer_queue`): its store actors, which
+    for transfer_queue take one CPU each (controller and storage units)."""
+    c, dp = cfg.cluster, cfg.data_plane
+    if c.executor != "ray" and not (dp.enabled and dp.backend != "memory"):
         return
     from relayrl.distributed.ray_executor import ensure_ray
+
+    if c.executor != "ray":
+        actors = dp.num_storage_units + 1 if dp.backend == "transfer_queue" else 1
+        ensure_ray(c.model_copy(update={"num_nodes": 1, "workers_per_node": actors, "cpus_per_worker": 1}))
+        return
     from relayrl.models.generation.distributed import generation_cluster
 
-    c = cfg.cluster
     gen = generation_cluster(cfg.policy.generation, c)
     ranks = c.num_nodes * c.workers_per_node * (2 if cfg.algorithm == "ppo" else 1)
     ranks += gen.num_nodes * gen.workers_per_node

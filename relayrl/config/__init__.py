@@ -329,8 +329,6 @@ def _async_grpo_problem(cfg: MasterConfig) -> str | None:
         )
     if cfg.cluster.executor != "local":
         return f"grpo.async_grpo.enabled=true runs on cluster.executor=local only for now; {fix} the executor"
-    if cfg.data_plane.backend != "memory":
-        return f"grpo.async_grpo.enabled=true needs data_plane.backend=memory for now (got {cfg.data_plane.backend!r})"
     if g.use_dynamic_sampling:
         return "grpo.async_grpo.enabled=true with grpo.use_dynamic_sampling: a step's batch would depend on later ones"
     if (

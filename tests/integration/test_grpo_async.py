@@ -204,8 +204,8 @@ def test_producer_death_ends_the_run_with_one_line(tmp_path, tiny_model_dir, mon
         (("grpo.use_dynamic_sampling=true",), "use_dynamic_sampling"),
         (("grpo.async_grpo.in_flight_weight_updates=true",), "in_flight_weight_updates"),
         (("loss_fn.force_on_policy_ratio=true", "policy.train_global_batch_size=8"), "force_on_policy_ratio"),
-        (("data_plane.backend=transfer_queue",), "data_plane.backend=memory"),
         (("cluster.executor=ray",), "cluster.executor=local"),
+        (("grpo.async_grpo.generator=thread", "grpo.async_grpo.generation_threads=2"), "generation_threads needs"),
     ],
 )
 def test_impossible_combinations_are_refused_in_one_line(tmp_path, tiny_model_dir, capsys, extra, needle):
