@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -225,21 +224,50 @@ EXACT_RUN = (
 )
 
 
+#: Runs `python ARGV...` (`-m module args` or `-c code args`) with `CheckpointManager.finalize_checkpoint` patched to
+#: SIGKILL the process the moment the checkpoint named by the first argument is published.
+_KILL_AT_CHECKPOINT = """
+import os, runpy, signal, sys
+from pathlib import Path
+from relayrl.utils import checkpoint
+target, argv = Path(sys.argv[1]).resolve(), sys.argv[2:]
+finalize = checkpoint.CheckpointManager.finalize_checkpoint
+def finalize_then_die(self, tmp_path):
+    out = finalize(self, tmp_path)
+    if Path(out).resolve() == target:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+checkpoint.CheckpointManager.finalize_checkpoint = finalize_then_die
+if argv[0] == "-m":
+    sys.argv = [argv[1], *argv[2:]]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = ["-c", *argv[2:]]
+    exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
 def sigkill_after_checkpoint(argv: list[str], checkpoint: Path, timeout_s: float = 300) -> None:
-    """Run `python argv...` until `checkpoint` (a step_N directory) exists, then SIGKILL it."""
+    """Run `python argv...` and SIGKILL it the moment `checkpoint` (a step_N directory) is published.
+
+    The process kills itself from inside `finalize_checkpoint`, so the kill lands at the same point of every run: a
+    poll from outside could miss a checkpoint that a fast run publishes and prunes between two looks."""
     proc = subprocess.Popen(
-        [sys.executable, *argv],
+        [sys.executable, "-c", _KILL_AT_CHECKPOINT, str(checkpoint), *argv],
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    deadline = time.time() + timeout_s
-    while not checkpoint.is_dir():
-        assert proc.poll() is None, "training process ended before its first checkpoint"
-        assert time.time() < deadline, f"no checkpoint within {timeout_s:.0f} s"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"no checkpoint {checkpoint.name} within {timeout_s:.0f} s") from None
+    assert proc.returncode == -signal.SIGKILL, (
+        f"training process ended (exit {proc.returncode}) without publishing {checkpoint.name}:\n{err[-2000:]}"
+    )
+    assert checkpoint.is_dir()
 
 
 #: The random test model behind tests/conftest.py's `tiny_model_dir`: 2 layers, hidden 64, 4 heads, 2 KV heads.

@@ -200,6 +200,7 @@ class GRPOAsyncSteps(GRPOSyncSteps):
         self._index = step
         out = super().step(batch, step)
         assert out is not None and self._batch is not None  # no dynamic sampling in async mode
+        self.policy.dp_client.drop_partition(self._batch.meta.partition_id)  # emptied by the step: retire it
         self._publish(step)
         out.metrics.update(self._staleness_metrics(step, self._batch))
         # the producer's own clock for this batch (overlapped with an earlier step's training)
@@ -272,6 +273,7 @@ class GRPOAsyncSteps(GRPOSyncSteps):
             if left:
                 for b in left:
                     self.policy.discard_samples(b.meta.keys, b.meta.partition_id)
+                    self.policy.dp_client.drop_partition(b.meta.partition_id)
                 groups = sum(b.meta.size for b in left) // self.g.num_generations_per_prompt
                 self.logger.print_message(
                     f"async: {len(left)} generated batch(es) ({groups} groups) not trained on; discarded at shutdown"

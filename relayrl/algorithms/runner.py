@@ -204,7 +204,7 @@ class StepTail:
         samples: list[dict[str, object]],
         stop_requested: Callable[[], bool] = lambda: False,
     ) -> tuple[bool, dict[str, object]]:
-        """Validate if due, update counters, checkpoint if due (or a stop was requested), log. Returns (stop, last
+        """Validate if due, update counters, log the step, checkpoint if due (or a stop was requested), log its timing. Returns (stop, last
         metrics)."""
         p = self.parts
         cfg, state, timer, r = p.cfg, p.state, p.timer, p.cfg.rollout
@@ -218,13 +218,14 @@ class StepTail:
         state.total_steps = step
         self.timeout.mark_iteration()
         out_of_time = self.timeout.check_save()
+        timer.stop("total_step_time")  # the step's work; checkpointing is timed on its own below
+        step_time = max(float(timer.get_timing_metrics("sum")["total_step_time"]), 1e-9)  # type: ignore[arg-type]
+        metrics["valid_tokens_per_sec"] = metrics.get("global_valid_toks", 0.0) / step_time
+        # logged before the checkpoint: a run killed right after its checkpoint must not resume past an unlogged step
+        p.logger.log_metrics(metrics, step, prefix="train")
         if is_last or stop_early or out_of_time or stop_requested() or step % cfg.checkpointing.save_period == 0:
             self.save(step, val_metrics or {}, metrics)
-        timer.stop("total_step_time")
         timing = timer.get_timing_metrics("sum")
-        step_time = max(float(timing["total_step_time"]), 1e-9)  # type: ignore[arg-type]  # "sum" gives floats
-        metrics["valid_tokens_per_sec"] = metrics.get("global_valid_toks", 0.0) / step_time
-        p.logger.log_metrics(metrics, step, prefix="train")
         p.logger.log_metrics(timing, step, prefix="timing/train")
         perf = {
             "samples_per_sec": r.rows_per_step / step_time,

@@ -302,6 +302,12 @@ class DataPlaneClient(ABC):
         """Remove `keys` (None: every key) from the partition; returns how many were present and removed.
         The partition stays registered."""
 
+    @abstractmethod
+    def drop_partition(self, partition_id: str) -> bool:
+        """Forget an empty partition's declaration (per-batch partitions are retired this way after their step,
+        so a long run neither keeps nor reports one per step). ValueError while it holds samples; returns False
+        if it was not registered."""
+
     # ------------------------------------------------------------------ lifecycle and observability
     @abstractmethod
     def close(self) -> None:

@@ -382,6 +382,25 @@ class Ledger:
             self._changed.notify_all()
             return len(gone)
 
+    def drop_partition(self, partition_id: str) -> bool:
+        """Forget an empty partition's declaration (a per-batch partition retired after its step), so a long run
+        does not keep one per step. ValueError while it holds samples; False if it was not registered."""
+        with self._lock:
+            if self._closed:
+                raise DataPlaneClosedError("the data plane store is closed")
+            part = self._parts.get(partition_id)
+            if part is None:
+                return False
+            if part.rows or part.reserved:
+                raise ValueError(
+                    f"partition {partition_id!r} still holds {len(part.rows) + len(part.reserved)} samples; "
+                    "clear_samples(None, partition_id) before dropping it"
+                )
+            self._forget(partition_id, None)
+            del self._parts[partition_id]
+            self._changed.notify_all()
+            return True
+
     # ------------------------------------------------------------------ lifecycle and introspection
     def bytes_held(self) -> dict[str, int]:
         """Payload bytes of every written (key, field): tokens x width + 8 (its length) jagged, width dense."""

@@ -215,6 +215,9 @@ class MeteredDataPlaneClient(DataPlaneClient):
             "clear", partition_id, lambda: self.inner.clear_samples(keys, partition_id), out_keys=lambda n: n
         )
 
+    def drop_partition(self, partition_id: str) -> bool:
+        return self.inner.drop_partition(partition_id)
+
     def close(self) -> None:
         self._run("close", "", self.inner.close)
 

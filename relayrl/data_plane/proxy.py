@@ -122,6 +122,9 @@ class ProxyClient(DataPlaneClient):
             raise TypeError("clear_samples takes a sequence of keys (or None), not a single string")
         return self._call(Ledger.clear_samples, None if keys is None else list(keys), partition_id)
 
+    def drop_partition(self, partition_id: str) -> bool:
+        return self._call(Ledger.drop_partition, partition_id)
+
     # ------------------------------------------------------------------ observability
     def bytes_held(self) -> dict[str, int]:
         return {} if self._closed else self._call(Ledger.bytes_held)

@@ -149,10 +149,12 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypat
     from relayrl.algorithms.grpo_async import GRPOAsyncSteps
 
     held: list[int] = []
+    partitions: list[int] = []
     step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
 
     def live_keys(steps: GRPOAsyncSteps) -> int:
         client = steps.policy.dp_client
+        partitions.append(len(client.bytes_held()))
         return sum(len(client.keys(pid)) for pid in client.bytes_held())
 
     def step_and_count(self, batch, index):
@@ -170,6 +172,11 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypat
     _run(tmp_path, tiny_model_dir, "leaks", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=2", *stop_early)
     assert held[-1] == 0  # nothing left in the store once the run ended
     assert all(n <= 2 * 16 for n in held[:-1])  # at most d = 2 batches of 16 rows ahead of training
+    # a batch's partition is retired with its step: the store (and each metrics row) never holds more than the d
+    # batches ahead, the one being generated and the validation partition, however long the run
+    assert max(partitions) <= 2 + 1 + 1 and partitions[-1] <= 1
+    rows = [json.loads(x) for x in (tmp_path / "leaks" / "metrics.jsonl").read_text().splitlines()]
+    assert max(sum(k.startswith("data_plane/held_bytes/") for k in r) for r in rows) <= 2 + 1 + 1
     out = capsys.readouterr().out
     assert "async: 2 generated batch(es) (8 groups) not trained on; discarded at shutdown" in out
 

@@ -338,6 +338,25 @@ def check_reregister_guards_data(make: ClientFactory) -> None:
             c.put_samples(["a"], pid, {"reward": torch.tensor([1.0])})
 
 
+def check_drop_partition_forgets_only_an_empty_one(make: ClientFactory) -> None:
+    with _client(make) as c:
+        pid, other = _register(c, 2), _register(c, 2)
+        c.put_samples(["a"], pid, {"reward": torch.tensor([1.0])})
+        c.put_samples(["a"], other, {"reward": torch.tensor([2.0])})
+        with pytest.raises(ValueError, match="still holds 1 samples"):
+            c.drop_partition(pid)
+        assert c.get_samples(["a"], pid, ["reward"])["reward"].values.tolist() == [1.0]  # refused: nothing lost
+        assert c.clear_samples(None, pid) == 1
+        assert c.drop_partition(pid) is True
+        assert c.drop_partition(pid) is False  # no longer registered
+        assert pid not in c.bytes_held()
+        with pytest.raises(UnknownPartitionError):
+            c.put_samples(["b"], pid, {"reward": torch.tensor([1.0])})
+        c.register_partition(pid, ["reward"], 1, ["train"])  # the name can be declared afresh
+        c.put_samples(["b"], pid, {"reward": torch.tensor([3.0])})
+        assert c.get_samples(["a"], other, ["reward"])["reward"].values.tolist() == [2.0]
+
+
 def check_close_is_idempotent_and_final(make: ClientFactory) -> None:
     c = make()
     pid = _register(c, 1)
@@ -441,6 +460,7 @@ CONTRACT_CHECKS: list[Callable[[ClientFactory], None]] = [
     check_clear_counts_and_keeps_partition,
     check_partitions_are_independent,
     check_reregister_guards_data,
+    check_drop_partition_forgets_only_an_empty_one,
     check_close_is_idempotent_and_final,
     check_claim_meta_cursor_and_status,
     check_claim_meta_waits_for_required_fields,
