@@ -189,7 +189,7 @@ def test_producer_death_ends_the_run_with_one_line(tmp_path, tiny_model_dir, mon
         (("grpo.async_grpo.in_flight_weight_updates=true",), "in_flight_weight_updates"),
         (("loss_fn.force_on_policy_ratio=true",), "force_on_policy_ratio"),
         (("data_plane.backend=transfer_queue",), "data_plane.backend=memory"),
-        (("cluster.executor=ray",), "cluster.executor=local"),
+        (("cluster.executor=ray",), "policy.generation.colocated.enabled=false"),
     ],
 )
 def test_impossible_combinations_are_refused_in_one_line(tmp_path, tiny_model_dir, capsys, extra, needle):
