@@ -10,17 +10,36 @@ claims the batch the producer made for it (`async_rollouts.RolloutProducer`). Wh
   (`trainer_common.off_policy_async`); each step logs its samples' age and off-policy fraction;
 - a checkpoint drains the producer and holds the unconsumed batches' rows, the producer's loader position and its
   RNG (`async_state.py`), so a resume logs what the uninterrupted run logs.
+
+Where the producer generates. Local executor: a private `HfGeneration` over a copy of rank 0's module, refitted from
+the published snapshot (a clone of the live weights). Ray executor (`policy.generation.colocated.enabled=false`):
+the dedicated generation workers, through `DistributedGeneration.snapshot_copy` (its own sampling stream) and a
+second Ray rollout actor that writes the batches into the Ray store. The snapshot is rank 0's state dict, copied
+out of the training process after the optimizer step (no collective: the training ranks are never made to wait for
+a generation in progress, and which weights made a batch cannot depend on when the refit ran); the producer loads it
+onto the workers between batches. Validation shares the workers: it runs with the producer `paused()` between
+batches and refits them to the live weights by the trainer engine's collective; the producer reloads its version
+after it. The flight recorder's rows of a batch are fetched from the producer's actor with the batch, so recording a
+step never waits for the producer's next batch.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from relayrl.algorithms.async_rollouts import CLAIM_TASK, LookaheadLoader, ProducedBatch, RolloutProducer
+from relayrl.algorithms.async_rollouts import (
+    CLAIM_TASK,
+    LookaheadLoader,
+    ProducedBatch,
+    ProducerEngine,
+    RolloutProducer,
+)
 from relayrl.algorithms.async_state import ASYNC_STATE, load_producer_state, restore_batches, save_producer_state
 from relayrl.algorithms.grpo_sync import GRPOSyncSteps, raise_if_message_level_advantage_penalties_enabled
 from relayrl.algorithms.interfaces import LossFunction
@@ -29,12 +48,12 @@ from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.algorithms.validation import Envs, sync_validator
 from relayrl.config import GenerationConfig, MasterConfig
-from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import REFERENCE_POLICY_LOGPROBS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.flight_recorder import RecordRequest, export_rows, import_rows
-from relayrl.experience.ray_rollout import rollout_actor_cls
+from relayrl.experience.ray_rollout import RayRolloutActor, rollout_actor_cls
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
 from relayrl.utils.timer import Timer
@@ -53,73 +72,69 @@ class _PinnedSource:
         self.model, self.weights_version = model, version
 
 
-def grpo_train_async(
+@dataclass
+class _ProducerSide:
+    """What the producer generates with, per executor (see the module docstring)."""
+
+    engine: ProducerEngine
+    actor: RolloutActor
+    client: DataPlaneClient  # the producer thread's store client (registers partitions; checkpoints read through it)
+    snapshot: Callable[[], dict[str, torch.Tensor]]  # a copy of the weights the trainer just made
+    pin: _PinnedSource | None = None  # local: the private engine's model source
+    ray_actor: RayRolloutActor | None = None  # Ray: the same actor, with its flight-recorder rows out of process
+    own_client: bool = False
+
+    def shutdown(self) -> None:
+        try:
+            self.actor.shutdown()
+            self.engine.shutdown()
+        finally:
+            if self.own_client:
+                self.client.close()
+
+
+def _producer_side(
+    cfg: MasterConfig,
     policy: DataPlanePolicy,
     policy_generation: Generation,
-    wrapped_dataloader: BatchLoader,
-    val_dataloader: BatchLoader | None,
     tokenizer: Tokenizer,
-    loss_fn: LossFunction,
     task_to_env: Envs,
-    val_task_to_env: Envs | None,
-    logger: Logger,
-    checkpointer: CheckpointManager,
-    grpo_save_state: GRPOSaveState,
-    master_config: MasterConfig,
-) -> dict[str, object]:
-    """Run asynchronous GRPO through the data plane. Same signature, stopping rules and metrics as the sync
-    trainer, plus the `async/*` staleness metrics."""
-    cfg = master_config
-    if not (cfg.data_plane.enabled and cfg.grpo.async_grpo.enabled):
-        raise ValueError("grpo_train_async needs data_plane.enabled=true and grpo.async_grpo.enabled=true")
-    raise_if_message_level_advantage_penalties_enabled(cfg)
-    timer = Timer()
+    start_version: int,
+) -> _ProducerSide:
     actor_cls = rollout_actor_cls(cfg)
-    val_actor: RolloutActor = actor_cls(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
+    if cfg.cluster.executor == "ray":
+        from relayrl.data_plane.factory import build_data_plane_client
+        from relayrl.models.generation.distributed import DistributedGeneration
+
+        assert isinstance(policy_generation, DistributedGeneration)  # the Ray executor's engine
+        twin = policy_generation.snapshot_copy(cfg.grpo.seed)
+        client = build_data_plane_client(cfg.data_plane, bootstrap=False, in_driver=True)
+        try:
+            actor = RayRolloutActor(twin, tokenizer, task_to_env, cfg, cfg.data_plane)
+        except BaseException:
+            client.close()
+            raise
+        weights = policy.state_dict  # type: ignore[attr-defined]  # Ray: rank 0's weights arrive as a copy
+        return _ProducerSide(twin, actor, client, weights, ray_actor=actor, own_client=True)
     source = policy.generation_source  # type: ignore[attr-defined]  # the local executor's rank-0 worker
-    start_version = grpo_save_state.total_steps
     pin = _PinnedSource(source.model, start_version)
     gen_cfg = cfg.policy.generation.model_copy(
         update={"colocated": cfg.policy.generation.colocated.model_copy(update={"enabled": False})}
     )
-    engine = _producer_engine(cfg, gen_cfg, tokenizer, pin, source.device)
-    producer_actor: RolloutActor = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
-    steps: GRPOAsyncSteps | None = None
-    try:
-        last = checkpointer.get_latest_checkpoint_path() if start_version > 0 else None
-        saved = last / ASYNC_STATE if last is not None else None
-        state, rng, dropped = load_producer_state(saved, grpo_save_state, cfg)
-        if rng is not None:
-            engine.set_rng_state(rng)
-        restore_batches(state.ready, producer_actor.client, cfg.grpo.num_generations_per_prompt)  # type: ignore[attr-defined]
-        rows_file = last / ASYNC_FLIGHT_ROWS if last is not None else None
-        stash = getattr(producer_actor, "flight", None)
-        if rows_file is not None and rows_file.is_file() and stash is not None:  # the recorder's rows of those batches
-            import_rows(stash, json.loads(rows_file.read_text()))
-        kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)  # fp8: refused
-        steps = GRPOAsyncSteps(policy, policy_generation, val_actor, loss_fn, logger, cfg, timer, val_dataloader,
-                               val_task_to_env, producer_actor, engine, pin, wrapped_dataloader, state, dropped,
-                               kv_sync)  # fmt: skip
-        loader = LookaheadLoader(steps.producer, wrapped_dataloader)
-        parts = LoopParts(cfg, grpo_save_state, timer, loader, policy, policy_generation, checkpointer, logger,
-                          save_extra=steps.save_state)  # fmt: skip
-        steps.producer.start()
-    except BaseException:
-        if steps is None:
-            for a in (producer_actor, val_actor):
-                a.shutdown()
-            engine.shutdown()
-        else:
-            steps.close()
-        raise
-    return run_loop(steps, parts)
+    engine = _local_engine(cfg, gen_cfg, tokenizer, pin, source.device)
+
+    def clone_live() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in policy.generation_source.model.state_dict().items()}  # type: ignore[attr-defined]
+
+    local = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
+    return _ProducerSide(engine, local, local.client, clone_live, pin=pin)
 
 
-def _producer_engine(
+def _local_engine(
     cfg: MasterConfig, gen_cfg: GenerationConfig, tokenizer: Tokenizer, pin: _PinnedSource, device: Any
-) -> Any:
-    """The producer's private engine: in a child process (`grpo.async_grpo.generator=process`, CPU), so decoding
-    does not share the trainer's interpreter lock; else an `HfGeneration` driven from the producer thread."""
+) -> ProducerEngine:
+    """The local producer's private engine: in a child process (`grpo.async_grpo.generator=process`, CPU), so
+    decoding does not share the trainer's interpreter lock; else an `HfGeneration` driven from the producer thread."""
     a = cfg.grpo.async_grpo
     if a.generator == "process" and torch.device(device).type == "cpu":
         from relayrl.models.generation.process_generation import ProcessGeneration
@@ -148,6 +163,71 @@ def _producer_engine(
     )
 
 
+def grpo_train_async(
+    policy: DataPlanePolicy,
+    policy_generation: Generation,
+    wrapped_dataloader: BatchLoader,
+    val_dataloader: BatchLoader | None,
+    tokenizer: Tokenizer,
+    loss_fn: LossFunction,
+    task_to_env: Envs,
+    val_task_to_env: Envs | None,
+    logger: Logger,
+    checkpointer: CheckpointManager,
+    grpo_save_state: GRPOSaveState,
+    master_config: MasterConfig,
+) -> dict[str, object]:
+    """Run asynchronous GRPO through the data plane. Same signature, stopping rules and metrics as the sync
+    trainer, plus the `async/*` staleness metrics."""
+    cfg = master_config
+    if not (cfg.data_plane.enabled and cfg.grpo.async_grpo.enabled):
+        raise ValueError("grpo_train_async needs data_plane.enabled=true and grpo.async_grpo.enabled=true")
+    raise_if_message_level_advantage_penalties_enabled(cfg)
+
+    timer = Timer()
+    val_actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
+    start_version = grpo_save_state.total_steps
+    try:
+        side = _producer_side(cfg, policy, policy_generation, tokenizer, task_to_env, start_version)
+    except BaseException:
+        val_actor.shutdown()
+        raise
+    steps: GRPOAsyncSteps | None = None
+    try:
+        last = checkpointer.get_latest_checkpoint_path() if start_version > 0 else None
+        saved = last / ASYNC_STATE if last is not None else None
+        state, rng, dropped = load_producer_state(saved, grpo_save_state, cfg)
+        if rng is not None:
+            side.engine.set_rng_state(rng)
+        restore_batches(state.ready, side.client, cfg.grpo.num_generations_per_prompt)
+        rows_file = last / ASYNC_FLIGHT_ROWS if last is not None else None
+        if rows_file is not None and rows_file.is_file():  # the recorder's rows of those batches
+            rows = json.loads(rows_file.read_text())
+            stash = getattr(side.actor, "flight", None)
+            if side.ray_actor is not None:
+                for b in state.ready:
+                    b.flight_rows = {b.meta.partition_id: rows.get(b.meta.partition_id, {})}
+            elif stash is not None:
+                import_rows(stash, rows)
+        kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)  # fp8: refused
+        steps = GRPOAsyncSteps(policy, policy_generation, val_actor, loss_fn, logger, cfg, timer, val_dataloader,
+                               val_task_to_env, side, wrapped_dataloader, state, dropped, kv_sync)  # fmt: skip
+        loader = LookaheadLoader(steps.producer, wrapped_dataloader)
+        parts = LoopParts(cfg, grpo_save_state, timer, loader, policy, policy_generation, checkpointer, logger,
+                          save_extra=steps.save_state)  # fmt: skip
+        steps.producer.start()
+    except BaseException:
+        if steps is None:
+            try:
+                side.shutdown()
+            finally:
+                val_actor.shutdown()
+        else:
+            steps.close()
+        raise
+    return run_loop(steps, parts)
+
+
 class GRPOAsyncSteps(GRPOSyncSteps):
     """The sync step with generation replaced by claiming the producer's batch, and weights published after it."""
 
@@ -162,9 +242,7 @@ class GRPOAsyncSteps(GRPOSyncSteps):
         timer: Timer,
         val_dataloader: BatchLoader | None,
         val_task_to_env: Envs | None,
-        producer_actor: RolloutActor,
-        engine: Any,
-        pin: _PinnedSource,
+        side: _ProducerSide,
         loader: BatchLoader,
         state: Any,
         dropped_groups: int,
@@ -172,20 +250,44 @@ class GRPOAsyncSteps(GRPOSyncSteps):
     ) -> None:
         validate_at = sync_validator(val_actor, policy, val_dataloader, val_task_to_env, cfg, logger)
         super().__init__(policy, policy_generation, val_actor, loss_fn, logger, cfg, timer, validate_at, kv_sync)
-        self.producer_actor, self.engine = producer_actor, engine
+        self.side, self.producer_actor = side, side.actor
         self.age_bound = cfg.grpo.async_grpo.max_trajectory_age_steps
+        ray_actor = side.ray_actor
+        fetch_rows = None
+        if ray_actor is not None and cfg.logger.flight_recorder.enabled:
+
+            def fetch_rows(meta: KVBatchMeta) -> dict[str, Any]:
+                return ray_actor.export_flight([(meta.partition_id, list(meta.keys))])
+
         self.producer = RolloutProducer(
-            actor=producer_actor, engine=engine, pin=pin, loader=loader, cfg=cfg, state=state,
-            carry_keys=self.carry_keys, after_rollout=self._reference_pass if self._reference_in_producer() else None,
+            actor=side.actor, engine=side.engine, pin=side.pin, client=side.client, loader=loader, cfg=cfg,
+            state=state, carry_keys=self.carry_keys,
+            after_rollout=self._reference_pass if self._reference_in_producer() else None,
+            initial_weights=side.snapshot() if ray_actor is not None else None,  # Ray's workers: the start version
+            flight_rows=fetch_rows,
         )  # fmt: skip
+        if ray_actor is not None:  # validation generates on the producer's workers: between its batches
+            unpaused = self.validate
+
+            def validate(step: int) -> dict[str, float]:
+                with self.producer.paused():
+                    return unpaused(step)
+
+            self.validate = validate
         self.reference_in_step = not self._reference_in_producer()
         self.dropped_groups = dropped_groups  # reported with the next step's metrics
         self._index = 0
         self._batch: ProducedBatch | None = None
 
     def _record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
-        """The producer rolled the batch out and holds its rows; the store is read through the trainer's actor."""
-        self.actor.record_step(meta, request, rows_from=self.producer_actor)
+        """The producer rolled the batch out and holds its rows; the store is read through the trainer's actor (on
+        Ray the rows came with the batch: they go to the trainer's actor first)."""
+        if self.side.ray_actor is None:
+            self.actor.record_step(meta, request, rows_from=self.producer_actor)
+            return
+        assert isinstance(self.actor, RayRolloutActor) and self._batch is not None
+        self.actor.import_flight(self._batch.flight_rows or {})
+        self.actor.record_step(meta, request)
 
     def _reference_in_producer(self) -> bool:
         return self.cfg.grpo.async_grpo.reference_logprobs_in_producer and not self.skip_ref
@@ -238,8 +340,7 @@ class GRPOAsyncSteps(GRPOSyncSteps):
         weights = None
         if needed:
             with self.timer.time("weight_publish"):
-                model = self.policy.generation_source.model  # type: ignore[attr-defined]
-                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                weights = self.side.snapshot()
         self.producer.publish(step, weights)
 
     def _staleness_metrics(self, step: int, produced: ProducedBatch) -> dict[str, float]:
@@ -260,11 +361,15 @@ class GRPOAsyncSteps(GRPOSyncSteps):
     def save_state(self, directory: Path) -> None:
         """Checkpoint hook (after the loader's drain): the unconsumed batches with their rows, and the producer."""
         state, rng, _ = self.producer.snapshot()
-        save_producer_state(directory / ASYNC_STATE, state, rng, self.producer_actor.client)  # type: ignore[attr-defined]
+        save_producer_state(directory / ASYNC_STATE, state, rng, self.side.client)
         stash = getattr(self.producer_actor, "flight", None)
-        if stash is not None:  # their flight-recorder rows (text, env reward), so a resumed run records them too
-            batches = [(b.meta.partition_id, b.meta.keys) for b in state.ready]
-            (directory / ASYNC_FLIGHT_ROWS).write_text(json.dumps(export_rows(stash, batches)))
+        rows: dict[str, Any] | None = None  # their flight-recorder rows (text, env reward): a resumed run records them
+        if self.side.ray_actor is not None and self.cfg.logger.flight_recorder.enabled:
+            rows = {p: r for b in state.ready for p, r in (b.flight_rows or {}).items()}
+        elif stash is not None:
+            rows = export_rows(stash, [(b.meta.partition_id, b.meta.keys) for b in state.ready])
+        if rows is not None:
+            (directory / ASYNC_FLIGHT_ROWS).write_text(json.dumps(rows))
 
     def close(self) -> None:
         """Stop the producer; batches nobody will train on leave the store and are counted."""
@@ -279,6 +384,7 @@ class GRPOAsyncSteps(GRPOSyncSteps):
                     f"async: {len(left)} generated batch(es) ({groups} groups) not trained on; discarded at shutdown"
                 )
         finally:
-            self.producer_actor.shutdown()
-            self.engine.shutdown()
-            super().close()
+            try:
+                self.side.shutdown()
+            finally:
+                super().close()

@@ -327,8 +327,16 @@ def _async_grpo_problem(cfg: MasterConfig) -> str | None:
         return (
             f"grpo.async_grpo.enabled=true needs data_plane.enabled=true (rollouts travel through the store); {fix} it"
         )
-    if cfg.cluster.executor != "local":
-        return f"grpo.async_grpo.enabled=true runs on cluster.executor=local only for now; {fix} the executor"
+    if cfg.cluster.executor == "ray" and cfg.policy.generation.colocated.enabled:
+        return (
+            "grpo.async_grpo.enabled=true on cluster.executor=ray generates on dedicated workers: set "
+            "policy.generation.colocated.enabled=false and policy.generation.colocated.resources.{num_nodes,workers_per_node}"
+        )
+    if cfg.cluster.executor == "ray" and cfg.data_plane.backend != "ray":
+        return (
+            "grpo.async_grpo.enabled=true on cluster.executor=ray needs data_plane.backend=ray for now "
+            f"(got {cfg.data_plane.backend!r}; every backend runs on the local executor)"
+        )
     if g.use_dynamic_sampling:
         return "grpo.async_grpo.enabled=true with grpo.use_dynamic_sampling: a step's batch would depend on later ones"
     if (

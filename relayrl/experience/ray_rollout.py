@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from relayrl.config import DataPlaneConfig, MasterConfig
+from relayrl.experience.flight_recorder import export_rows, import_rows
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 
 
@@ -78,6 +79,14 @@ class _HostedRolloutActor(SyncRolloutActor):
         return self.rollout_to_tq(input_batch, **kwargs)
 
     def ready(self) -> bool:
+        return True
+
+    def export_flight(self, batches: list[tuple[str, list[str]]]) -> dict[str, Any]:
+        return {} if self.flight is None else export_rows(self.flight, batches)
+
+    def import_flight(self, saved: dict[str, Any]) -> bool:
+        if self.flight is not None:
+            import_rows(self.flight, saved)
         return True
 
 
@@ -138,6 +147,15 @@ class RayRolloutActor:
 
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
         return self._get(self._actor.data_plane_metrics.remote(reset), "data_plane_metrics")
+
+    def export_flight(self, batches: list[tuple[str, list[str]]]) -> dict[str, Any]:
+        """The flight recorder's rows of `(partition, keys)` batches this actor rolled out (`export_rows`): the
+        asynchronous producer hands them to the trainer's actor, which records the step."""
+        return self._get(self._actor.export_flight.remote(batches), "export_flight")
+
+    def import_flight(self, saved: dict[str, Any]) -> None:
+        """Rows `export_flight` returned, into this actor's stash (`import_rows`), for `record_step`."""
+        self._get(self._actor.import_flight.remote(saved), "import_flight")
 
     def get_rng_state(self) -> torch.Tensor:
         return self._get(self._actor.get_rng_state.remote(), "get_rng_state")

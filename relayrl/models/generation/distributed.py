@@ -16,6 +16,11 @@ so a resumed run samples exactly what the uninterrupted one would have.
 
 Refit time and bytes are kept as `refit/*` metrics (`refit_metrics()`).
 
+Asynchronous GRPO on Ray (`snapshot_copy`): a second engine over the same dedicated workers, with its own sampling
+generator, refitted only by `load_weights` from a published snapshot of an older weights version (never by the
+collective, which needs the training ranks). Whichever engine loaded the workers last holds them (a shared box), so
+the driver's engine refits again after the producer loaded other weights, and vice versa.
+
 FP8 KV cache (`kv_cache_dtype=fp8`, `requires_kv_scale_sync`): the driver hands the policy's calibrated scales to
 `set_kv_scales` and the next refit carries them: in the collective broadcast
 (`broadcast_weights_for_collective(kv_scales)`), or, colocated (the IPC stream takes weights only), in a call to
@@ -24,6 +29,7 @@ every worker right after it. New scales for weights the workers already hold go 
 
 from __future__ import annotations
 
+import copy
 import socket
 import time
 from collections.abc import Mapping
@@ -38,6 +44,7 @@ from relayrl.distributed.interfaces import WorkerGroup
 from relayrl.models.generation.hf_generation import assemble_output, empty_generation, generation_limits
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
 from relayrl.models.generation.worker import GenerationWorker
+from relayrl.utils import device as dev
 
 #: ZMQ IPC refit budget: two ping-pong buffers of half of it each.
 DEFAULT_REFIT_BUFFER_BYTES = 64 << 20
@@ -93,6 +100,9 @@ class DistributedGeneration(GenerationInterface):
         self.colocated = config.colocated.enabled
         self.refit_buffer_bytes = refit_buffer_bytes
         self._policy = policy
+        self._refit_dtype = dev.precision_dtype(policy_config.precision)  # what the collective sends
+        self._holder: list[DistributedGeneration | None] = [None]  # the engine whose weights the workers hold
+        self._snapshot_refit = False  # True on a `snapshot_copy`: refitted by load_weights only
         self._generator = torch.Generator().manual_seed(seed)
         self._rng_delegate: Any = None  # set while a remote rollout actor samples with this engine's stream
         self._synced_version: int | None = None  # None: never refitted (fresh or random-init workers)
@@ -191,14 +201,20 @@ class DistributedGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------ lifecycle
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """Refit the workers if the policy trained since the last sync; then they generate on its weights."""
+        """Refit the workers if the policy trained since the last sync (or another engine loaded them since); then
+        they generate on its weights."""
+        if self._snapshot_refit:
+            if self._synced_version is None or self._holder[0] is not self:
+                raise RuntimeError("a snapshot engine generates only after load_weights put its weights on the workers")
+            return True
         if self._policy is None:
             raise RuntimeError("prepare_for_generation runs on the driver's engine, not on a remote copy")
         version = int(self._policy.weights_version)
-        if version != self._synced_version:
+        if version != self._synced_version or self._holder[0] is not self:
             self._refit()
             self._group.run_all(GenerationWorker.set_weights_version, version)
             self._synced_version = version
+            self._holder[0] = self
         elif self._kv_scales_pending:  # new scales for the weights the workers hold
             self._group.run_all(GenerationWorker.set_kv_scales, self._kv_scales)
         self._kv_scales_pending = False
@@ -221,6 +237,9 @@ class DistributedGeneration(GenerationInterface):
             for handle in sending:
                 handle.result()
             received = receiving.result()
+        self._count_refit(start, received)
+
+    def _count_refit(self, start: float, received: list[dict[str, float]]) -> None:
         seconds = time.perf_counter() - start
         nbytes = float(sum(r["bytes"] for r in received))
         self._metrics = {
@@ -236,6 +255,29 @@ class DistributedGeneration(GenerationInterface):
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         self._group.run_all(GenerationWorker.finish_generation)
         return True
+
+    # ------------------------------------------------------------------ the asynchronous producer's engine
+    def snapshot_copy(self, seed: int) -> DistributedGeneration:
+        """An engine over the same workers for the asynchronous producer: its own sampling generator (`seed`),
+        refitted only by `load_weights`; it does not own the workers (its shutdown leaves them to this engine)."""
+        twin = copy.copy(self)
+        twin._policy, twin._rng_delegate, twin._synced_version = None, None, None
+        twin._snapshot_refit = True
+        twin._generator = torch.Generator().manual_seed(seed)
+        twin._metrics, twin._totals = {}, {"count": 0.0, "seconds": 0.0, "bytes": 0.0}
+        return twin
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Put a published snapshot (weights version `version`) on every worker, cast to the policy precision as
+        the collective would send it, so a batch generated here matches one generated after a collective refit."""
+        if not self._snapshot_refit:
+            raise RuntimeError("load_weights is the snapshot engine's refit (snapshot_copy); this one uses the policy")
+        start = time.perf_counter()
+        cast = {name: t.detach().to(self._refit_dtype) for name, t in state.items()}
+        received = self._group.run_all(GenerationWorker.load_weights, cast, int(version))
+        self._holder[0] = self
+        self._synced_version = int(version)
+        self._count_refit(start, received)
 
     def shutdown(self) -> bool:
         if self._policy is not None:  # a remote copy does not own the workers
@@ -276,8 +318,9 @@ class DistributedGeneration(GenerationInterface):
     # ------------------------------------------------------------------ a copy for a remote rollout actor
     def __getstate__(self) -> dict[str, Any]:
         """What a copy needs to generate (the workers, the settings, the generator state), never the policy."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_policy", "_generator", "_rng_delegate")}
-        return {**state, "_policy": None, "_rng_delegate": None, "_rng_state": self.get_rng_state()}
+        dropped = ("_policy", "_generator", "_rng_delegate", "_holder")
+        state = {k: v for k, v in self.__dict__.items() if k not in dropped}
+        return {**state, "_policy": None, "_rng_delegate": None, "_holder": [None], "_rng_state": self.get_rng_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         rng = state.pop("_rng_state")

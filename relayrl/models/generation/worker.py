@@ -111,6 +111,15 @@ class GenerationWorker:
         return {k: v.detach().cpu().clone() for k, v in self._source.model.state_dict().items()}
 
     # ------------------------------------------------------------------ refit receiver side
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Copy a published snapshot (policy precision, as the collective would send it) into the module and
+        generate as `version` from now on: the asynchronous producer's refit to an older version than the policy's."""
+        start = time.perf_counter()
+        refit.load_into_module(self._source.model)(list(state.items()))
+        self.set_weights_version(version)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return {"bytes": float(nbytes), "seconds": time.perf_counter() - start}
+
     def prepare_refit_info(self, state_dict_info: dict[str, Any]) -> bool:
         """Keep the manifest `{name: (shape, dtype)}` the training side will send; every name must exist here."""
         live = self._source.model.state_dict()

@@ -1,0 +1,188 @@
+"""Asynchronous GRPO on the Ray executor (issue 16): 2 training workers, dedicated generation workers, the `ray` store.
+
+The producer generates batch k on the generation workers with weights version max(0, k - 1 - d), loaded from the
+snapshot the trainer published, so the metrics depend neither on timing nor on how the rows are split across
+generation workers: two runs with one seed, and 1 vs 2 generation workers, log identical metrics; with d = 0 the
+async trainer logs what the sync data-plane trainer logs on Ray. No key outlives its step, and a run that crashes
+after a checkpoint with batches in flight resumes to the uninterrupted run's metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from relayrl.algorithms.async_state import ASYNC_STATE
+from relayrl.algorithms.grpo_async import GRPOAsyncSteps
+from relayrl.algorithms.setup import run_training
+from relayrl.utils.config_io import load_config
+from relayrl.utils.state_file import load_state_file
+from tests.helpers import metrics_by_step
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+RAY_NUM_CPUS = 6  # 2 training + up to 2 generation workers (the shared `ray_cluster` fixture reads it)
+
+STEPS = 4
+ROWS = 16  # 4 prompts x 4 generations per batch
+
+
+def overrides(*extra: str, gen_workers: int = 1) -> list[str]:
+    """The shipped model (it earns rewards, so advantages and what staleness changes are not all zero)."""
+    return [
+        "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=4",
+        "policy.generation.max_new_tokens=12",
+        "policy.optimizer.kwargs.lr=1e-3",
+        "loss_fn.reference_policy_kl_penalty=0.05",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        f"grpo.max_num_steps={STEPS}",
+        "grpo.val_at_start=false",
+        "grpo.val_period=2",
+        "grpo.max_val_samples=4",
+        "grpo.val_batch_size=4",
+        "checkpointing.save_period=2",
+        "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false",
+        "cluster.executor=ray",
+        "cluster.workers_per_node=2",
+        "cluster.deterministic=true",
+        "cluster.torch_num_threads=1",
+        "data_plane.enabled=true",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.num_nodes=1",
+        f"policy.generation.colocated.resources.workers_per_node={gen_workers}",
+        *extra,
+    ]
+
+
+ASYNC = ("grpo.async_grpo.enabled=true",)
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    """Per-step train/validation metrics; machine-dependent rates, timings and byte counters left out."""
+    return metrics_by_step(run_dir, ("train/", "validation/"), skip=("per_sec", "bytes", "fraction", "timing"))
+
+
+def _train(run_dir: Path, *extra: str, gen_workers: int = 1) -> None:
+    cfg = load_config(None, overrides(*extra, gen_workers=gen_workers))
+    assert cfg.data_plane.backend == "ray"
+    os.environ["RELAYRL_REFIT_IPC_DIR"] = str(run_dir.parent)  # ZMQ IPC sockets private to this module
+    try:
+        run_training(cfg, run_dir)
+    finally:
+        os.environ.pop("RELAYRL_REFIT_IPC_DIR", None)
+
+
+@contextmanager
+def counting_live_keys(held: list[int]) -> Iterator[None]:
+    """Record the keys alive in the store after every async step and after the trainer closed."""
+    step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
+
+    def live(steps: GRPOAsyncSteps) -> int:
+        client = steps.policy.dp_client
+        return sum(len(client.keys(pid)) for pid in client.bytes_held())
+
+    def step_and_count(self, batch, index):  # type: ignore[no-untyped-def]
+        out = step(self, batch, index)
+        held.append(live(self))
+        return out
+
+    def close_and_count(self):  # type: ignore[no-untyped-def]
+        close(self)
+        held.append(live(self))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GRPOAsyncSteps, "step", step_and_count)
+        mp.setattr(GRPOAsyncSteps, "close", close_and_count)
+        yield
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[int, dict]]:
+    """Each named run once per module (tests compare them); `held` gets the live-key counts of the first async run."""
+    cache: dict[str, dict[int, dict]] = {}
+    root = tmp_path_factory.mktemp("async_ray")
+    held: list[int] = []
+
+    def get(name: str, *extra: str, gen_workers: int = 1) -> dict[int, dict]:
+        if name not in cache:
+            if name == "a":
+                with counting_live_keys(held):
+                    _train(root / name, *extra, gen_workers=gen_workers)
+            else:
+                _train(root / name, *extra, gen_workers=gen_workers)
+            cache[name] = _metrics(root / name)
+        return cache[name]
+
+    get.held = held  # type: ignore[attr-defined]
+    get.root = root  # type: ignore[attr-defined]
+    return get
+
+
+def test_age_one_on_ray_is_deterministic(runs) -> None:
+    a = runs("a", *ASYNC)
+    b = runs("b", *ASYNC)
+    assert sorted(s for s, m in a.items() if "train/loss" in m) == list(range(1, STEPS + 1))
+    assert a == b
+    assert [a[s]["train/async/generating_weight_version"] for s in range(1, STEPS + 1)] == [0.0, 0.0, 1.0, 2.0]
+    assert [a[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+    assert a[STEPS]["train/sampling_importance_ratio"] != 1.0  # stale samples: pi_old recomputed, IS weight != 1
+    assert any(a[s]["train/reward"] > 0 for s in range(1, STEPS + 1))
+    assert "validation/accuracy" in a[2] and "validation/accuracy" in a[4]
+
+
+def test_one_and_two_generation_workers_log_the_same_metrics(runs) -> None:
+    one = runs("a", *ASYNC)
+    two = runs("gen2", *ASYNC, gen_workers=2)
+    assert one == two
+
+
+def test_age_zero_on_ray_reproduces_the_sync_trainer(runs) -> None:
+    sync = runs("sync")
+    d0 = runs("d0", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=0")
+    assert sorted(sync) == sorted(d0)
+    for step, row in sync.items():
+        assert {k: d0[step][k] for k in row} == row, f"step {step}: async d=0 differs from sync on Ray"
+    assert [d0[s]["train/async/generating_weight_version"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_no_key_outlives_its_step_or_the_run(runs) -> None:
+    runs("a", *ASYNC)
+    held = runs.held
+    assert len(held) == STEPS + 1
+    assert held[-1] == 0  # nothing left in the Ray store once the trainer closed
+    assert all(n <= 2 * ROWS for n in held[:-1])  # at most the next d + 1 = 2 batches, never a trained one
+
+
+def test_crash_after_a_checkpoint_with_batches_in_flight_resumes_exactly(runs) -> None:
+    """A step-3 crash after the step-2 checkpoint (which holds batches 3 and 4, generated and not trained on); the
+    next start in the same run directory restores their rows into the Ray store and logs the uninterrupted metrics."""
+    reference = runs("a", *ASYNC)
+    run_dir = runs.root / "crashed"
+    step = GRPOAsyncSteps.step
+
+    def crash_at_three(self, batch, index):  # type: ignore[no-untyped-def]
+        if index == 3:
+            raise RuntimeError("simulated crash")
+        return step(self, batch, index)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GRPOAsyncSteps, "step", crash_at_three)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _train(run_dir, *ASYNC)
+    saved = load_state_file(run_dir / "checkpoints" / "step_2" / ASYNC_STATE)
+    assert [(b["index"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)]
+    assert all(len(b["keys"]) == ROWS for b in saved["batches"])
+    _train(run_dir, *ASYNC)
+    assert _metrics(run_dir) == reference
+    for step in (3, 4):  # the flight recorder's rows of the batches that were in flight (keys are fresh per run)
+        name = f"rollouts/step_{step:06d}.parquet"
+        a, b = (pq.read_table(d / name).drop(["sample_key"]) for d in (runs.root / "a", run_dir))
+        assert a.num_rows == ROWS and a.equals(b), f"recorded rollouts of step {step} differ after resume"
