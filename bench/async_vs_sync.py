@@ -5,15 +5,16 @@ Why: async only pays off when generation and training overlap on the machine, so
 machine, on the same workload, alternating the two trainers so a shared box disturbs both alike.
 
 Workload: the default run's config (arithmetic, 16 prompts x 8 generations, <= 16 new tokens, KL 0.02 against a
-reference model, one optimizer step per step, 1 torch thread per side) without validation or checkpoints, on two
+reference model, one optimizer step per step, 1 torch thread per side: async's generation runs in its own
+process) without validation or checkpoints, on two
 models: `default` (the shipped ~1M-parameter builtin:tiny-arith) and `25m` (a random Qwen2 widened to ~25M
 parameters: hidden 512, 6 layers, 8 heads, MLP 2048, relayrl's character tokenizer). Each (model, trainer) run is a
 fresh subprocess; the first `--warmup` steps are discarded.
 
 Step time = wall clock between the ends of consecutive steps (the moment the loop logs the step's timing), so async's
 number includes any wait for the producer; samples/s = rows per step / median step time. CPU seconds per step
-(process CPU time, all threads) are reported too, and per side: the training (main) thread's CPU seconds per
-step and the producer thread's per batch. With a core per side, a side's CPU seconds are its wall time, so
+(this process's CPU time, all threads; not the generation process) are reported too, and per side: the training
+(main) thread's CPU seconds per step and the producer's per batch (its thread plus its generation process). With a core per side, a side's CPU seconds are its wall time, so
 `projected_2core_step_s` = max(trainer, producer) (sync: its CPU seconds) projects the step of a quiet 2-core box;
 on a box shared with other jobs the measured wall clock understates the overlap (no free core to overlap onto).
 

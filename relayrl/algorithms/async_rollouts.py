@@ -78,7 +78,7 @@ class ProducedBatch:
     rollout_metrics: dict[str, Any]
     store_metrics: dict[str, float] = field(default_factory=dict)  # the producer client's counters for its writes
     generation_s: float = 0.0
-    generation_cpu_s: float = 0.0  # the producer thread's CPU time for this batch (rollout, scoring, reference pass)
+    generation_cpu_s: float = 0.0  # CPU seconds of the producer thread and its generation process for this batch
     rows: dict[str, torch.Tensor] | None = None  # a restored batch's rows until they are back in the store
     flight_rows: dict[str, Any] | None = None  # Ray: the flight recorder's rows, fetched from the producer's actor
 
@@ -109,14 +109,18 @@ class RolloutProducer:
         state: ProducerState,
         carry_keys: list[str],
         after_rollout: Callable[[KVBatchMeta], KVBatchMeta] | None = None,
+        after_rollout_optional: bool = False,
         initial_weights: dict[str, torch.Tensor] | None = None,
         flight_rows: Callable[[KVBatchMeta], dict[str, Any]] | None = None,
     ) -> None:
-        """`initial_weights`: the start version's snapshot for an engine that does not hold it yet (Ray's workers);
+        """`after_rollout`: work on a fresh batch that does not depend on training (the reference pass); when
+        `after_rollout_optional`, skipped for a batch the trainer is already waiting for (the trainer then does it).
+        `initial_weights`: the start version's snapshot for an engine that does not hold it yet (Ray's workers);
         it and each later loaded snapshot are kept until the next, to reload after `paused()`. `flight_rows`: fetches
         a fresh batch's flight-recorder rows (Ray, where they live in the actor's process)."""
         self.actor, self.engine, self.pin, self.client, self.loader, self.cfg = actor, engine, pin, client, loader, cfg
         self.carry_keys, self.after_rollout, self.flight_rows = carry_keys, after_rollout, flight_rows
+        self.after_rollout_optional = after_rollout_optional
         g = cfg.grpo
         self.age_bound = g.async_grpo.max_trajectory_age_steps
         self.group_size, self.rows = g.num_generations_per_prompt, g.rows_per_step
@@ -138,6 +142,7 @@ class RolloutProducer:
         )
         self._loader_state = loader.state_dict()
         self._waiting_for: int | None = None
+        self._wanted: int | None = None  # the batch the trainer is waiting for in take(), if any
         self._done, self._stopping = False, False
         self._error: tuple[int, BaseException] | None = None
         self._thread = threading.Thread(target=self._run, name="relayrl-rollout-producer", daemon=True)
@@ -171,7 +176,9 @@ class RolloutProducer:
     def take(self, index: int) -> ProducedBatch:
         """Wait for batch `index` and hand it over (it leaves the producer's books; the step owns its keys)."""
         with self._cond:
+            self._wanted = index  # an optional `after_rollout` is left to the trainer while it waits
             self._cond.wait_for(lambda: index in self._ready or self._error is not None or self._done)
+            self._wanted = None
             if index not in self._ready:
                 self._raise_died(f"batch {index} was never produced")
             return self._ready.pop(index)
@@ -294,9 +301,13 @@ class RolloutProducer:
             self.pin.weights_version = version
         self._engine_version = version
 
+    def _engine_cpu(self) -> float:
+        """CPU seconds an engine in its own process has spent so far (0 for one in this thread, counted already)."""
+        return float(getattr(self.engine, "child_cpu_s", 0.0))
+
     def _generate(self, index: int, batch: BatchedDataDict, version: int) -> ProducedBatch:
         """Roll batch `index` out into its own partition; tag every row with the version that generated it."""
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        start, cpu_start = time.perf_counter(), time.thread_time() + self._engine_cpu()
         partition = partition_for(index)
         self.client.register_partition(
             partition, list(DP_TRAIN_FIELDS), self.rows, [*TRAIN_CONSUMER_TASKS, CLAIM_TASK], self.group_size
@@ -314,8 +325,8 @@ class RolloutProducer:
             text_rows=self.cfg.logger.num_train_samples_to_log,
             row_tags={"weight_version": version},
         )
-        if self.after_rollout is not None:  # work on the batch that does not depend on training (reference pass)
-            meta = self.after_rollout(meta)
+        if self.after_rollout is not None and not (self.after_rollout_optional and self._wanted == index):
+            meta = self.after_rollout(meta)  # work that does not depend on training (the reference pass)
         rows = None if self.flight_rows is None else self.flight_rows(meta)
         return ProducedBatch(
             index=index,
@@ -326,7 +337,7 @@ class RolloutProducer:
             rollout_metrics=rollout_metrics,
             store_metrics=self.actor.data_plane_metrics(reset=True),
             generation_s=time.perf_counter() - start,
-            generation_cpu_s=time.thread_time() - cpu_start,
+            generation_cpu_s=time.thread_time() + self._engine_cpu() - cpu_start,
             flight_rows=rows,
         )
 

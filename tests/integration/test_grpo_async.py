@@ -53,8 +53,11 @@ def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
     a = _run(tmp_path, tiny_model_dir, "a", *ASYNC)
     b = _run(tmp_path, tiny_model_dir, "b", *ASYNC)
     assert a == b
-    # the generation process samples exactly what an engine in the producer thread samples
+    # the generation process samples exactly what an engine in the producer thread samples; the reference pass gives
+    # the same values on either side (so `reference_pass=auto`, which picks a side by timing, cannot change a run)
     assert _run(tmp_path, tiny_model_dir, "thread", *ASYNC, "grpo.async_grpo.generator=thread") == a
+    assert _run(tmp_path, tiny_model_dir, "ref_trainer", *ASYNC, "grpo.async_grpo.reference_pass=trainer") == a
+    assert _run(tmp_path, tiny_model_dir, "ref_producer", *ASYNC, "grpo.async_grpo.reference_pass=producer") == a
     sync = _run(tmp_path, tiny_model_dir, "sync")
     for key in ("train/reward", "train/mean_gen_tokens_per_sample"):  # batch 1: the initial weights either way
         assert a[1][key] == sync[1][key]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import multiprocessing.connection
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,7 +75,7 @@ def _serve(conn: multiprocessing.connection.Connection, init: dict[str, Any]) ->
         "get_rng_state": engine.get_rng_state,
         "set_rng_state": engine.set_rng_state,
     }
-    conn.send(("ok", None))  # ready
+    conn.send(("ok", None, time.process_time()))  # ready
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -82,15 +83,15 @@ def _serve(conn: multiprocessing.connection.Connection, init: dict[str, Any]) ->
             return
         if method == "shutdown":
             engine.shutdown()
-            conn.send(("ok", True))
+            conn.send(("ok", True, time.process_time()))
             return
         try:
             result = calls[method](*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it as one line
             first = (str(exc).strip().splitlines() or [""])[0]
-            conn.send(("error", f"{type(exc).__name__}: {first}"))
+            conn.send(("error", f"{type(exc).__name__}: {first}", time.process_time()))
             continue
-        conn.send(("ok", result))
+        conn.send(("ok", result, time.process_time()))
 
 
 class ProcessGeneration:
@@ -127,6 +128,7 @@ class ProcessGeneration:
         self._proc = ctx.Process(target=_serve, args=(child, init), name="relayrl-generation", daemon=True)
         self._lock = threading.Lock()  # one request in flight: a trainer-side checkpoint may ask for the RNG
         self._closed = False
+        self.child_cpu_s = 0.0  # the child's CPU seconds so far (reported with every reply)
         self._proc.start()
         child.close()
         self._receive("start")
@@ -135,7 +137,7 @@ class ProcessGeneration:
     # ------------------------------------------------------------------ transport
     def _receive(self, method: str) -> Any:
         try:
-            status, payload = self._conn.recv()
+            status, payload, self.child_cpu_s = self._conn.recv()
         except (EOFError, ConnectionError):
             self._proc.join(timeout=5)
             raise GenerationProcessError(
