@@ -3,7 +3,7 @@
 The producer generates batch k on the generation workers with weights version max(0, k - 1 - d), loaded from the
 snapshot the trainer published, so the metrics depend neither on timing nor on how the rows are split across
 generation workers: two runs with one seed, and 1 vs 2 generation workers, log identical metrics; with d = 0 the
-async trainer logs what the sync data-plane trainer logs on Ray. No key outlives its step, and a run that crashes
+async trainer logs what the sync data-plane trainer logs on Ray. No key outlives its step, and a run SIGKILLed
 after a checkpoint with batches in flight resumes to the uninterrupted run's metrics.
 """
 
@@ -22,7 +22,7 @@ from relayrl.algorithms.grpo_async import GRPOAsyncSteps
 from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
 from relayrl.utils.state_file import load_state_file
-from tests.helpers import metrics_by_step
+from tests.helpers import metrics_by_step, sigkill_after_checkpoint
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -161,22 +161,15 @@ def test_no_key_outlives_its_step_or_the_run(runs) -> None:
     assert all(n <= 2 * ROWS for n in held[:-1])  # at most the next d + 1 = 2 batches, never a trained one
 
 
-def test_crash_after_a_checkpoint_with_batches_in_flight_resumes_exactly(runs) -> None:
-    """A step-3 crash after the step-2 checkpoint (which holds batches 3 and 4, generated and not trained on); the
-    next start in the same run directory restores their rows into the Ray store and logs the uninterrupted metrics."""
+def test_sigkill_after_a_checkpoint_with_batches_in_flight_resumes_exactly(runs, monkeypatch) -> None:
+    """The driver SIGKILLed the moment the step-2 checkpoint (which holds batches 3 and 4, generated and not trained
+    on) is published, its Ray processes with it; the next start in the same run directory restores their rows into
+    a fresh Ray store and logs the uninterrupted metrics."""
     reference = runs("a", *ASYNC)
-    run_dir = runs.root / "crashed"
-    step = GRPOAsyncSteps.step
-
-    def crash_at_three(self, batch, index):  # type: ignore[no-untyped-def]
-        if index == 3:
-            raise RuntimeError("simulated crash")
-        return step(self, batch, index)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(GRPOAsyncSteps, "step", crash_at_three)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            _train(run_dir, *ASYNC)
+    run_dir = runs.root / "killed"
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(runs.root))
+    argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides(*ASYNC)]
+    sigkill_after_checkpoint(argv, run_dir / "checkpoints" / "step_2")
     saved = load_state_file(run_dir / "checkpoints" / "step_2" / ASYNC_STATE)
     assert [(b["index"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)]
     assert all(len(b["keys"]) == ROWS for b in saved["batches"])
