@@ -135,6 +135,9 @@ class RolloutProducer:
         if initial_weights is not None:
             self._snapshots[state.version], self._engine_version = initial_weights, None
         self._engine_lock = threading.Lock()  # held while a batch refits and generates
+        model = getattr(pin, "model", None)
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # see _own_stream
         self._ready = {b.index: b for b in state.ready}
         # restored announcements carry no prompts (their rows are already in the store): an empty batch stands in
         self._announced: collections.deque[tuple[int, int | None, BatchedDataDict]] = collections.deque(
@@ -272,7 +275,7 @@ class RolloutProducer:
                     self._loader_state = self.loader.state_dict()
                     self._announced.append((self._epoch, index, batch))
                     self._cond.notify_all()
-                with self._engine_lock:
+                with self._engine_lock, self._own_stream():
                     self._refit(need)
                     produced = self._generate(index, batch, need)
                 with self._cond:
@@ -287,6 +290,17 @@ class RolloutProducer:
         with self._cond:
             self._done = True
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        """On a GPU the producer's kernels (refit, generation, reference pass) go to a CUDA stream of its own, so they
+        overlap the trainer's on the default stream; the batch is handed over only once that stream has finished."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
+        self._stream.synchronize()
 
     def _refit(self, version: int) -> None:
         """Load the published weights of `version` into the engine (between batches only); drop older snapshots."""

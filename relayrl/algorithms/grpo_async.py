@@ -128,7 +128,10 @@ def _producer_side(
     engine = _local_engine(cfg, gen_cfg, tokenizer, pin, source.device)
 
     def clone_live() -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in policy.generation_source.model.state_dict().items()}  # type: ignore[attr-defined]
+        weights = {k: v.detach().clone() for k, v in policy.generation_source.model.state_dict().items()}  # type: ignore[attr-defined]
+        if torch.device(source.device).type == "cuda":  # the producer reads the copy on its own stream: finish it first
+            torch.cuda.current_stream(source.device).synchronize()
+        return weights
 
     local = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
     return _ProducerSide(engine, local, local.client, clone_live, pin=pin)

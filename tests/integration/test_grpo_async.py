@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from relayrl.algorithms import async_rollouts
 from relayrl.algorithms.async_state import ASYNC_STATE
@@ -82,6 +83,20 @@ def test_old_policy_from_the_training_forward_equals_a_separate_pass(tmp_path, t
             assert fused[step][key] == pytest.approx(separate[step][key], rel=1e-4, abs=1e-6), (step, key)
     assert fused[STEPS]["train/sampling_importance_ratio"] != 1.0  # the stale samples are corrected
     assert separate[STEPS]["train/probs_ratio"] == pytest.approx(1.0, abs=1e-5)  # pi_theta == pi_old at one step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_producer_generates_on_its_own_stream(tmp_path, tiny_model_dir):
+    """CUDA: the producer's engine is a thread on a stream of its own; runs stay deterministic and d = 0 is sync."""
+    cuda = ("cluster.device=cuda",)
+    a = _run(tmp_path, tiny_model_dir, "a", *ASYNC, *cuda)
+    assert a == _run(tmp_path, tiny_model_dir, "b", *ASYNC, *cuda)
+    assert [a[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+    sync = _run(tmp_path, tiny_model_dir, "sync", *cuda)
+    d0 = _run(tmp_path, tiny_model_dir, "d0", *ASYNC, *cuda, "grpo.async_grpo.max_trajectory_age_steps=0")
+    for step, row in sync.items():
+        assert {k: d0[step][k] for k in row} == row, f"step {step}: async d=0 differs from sync on CUDA"
 
 
 def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir):
