@@ -106,6 +106,7 @@ def main() -> None:
             "final_gain_points": statistics.median(100.0 * (m[-1][2] - m[0][2]) for m in marks),
             "train_seconds": statistics.median(m[-1][1] for m in marks),
             "gain_by_step": {int(s): round(100.0 * (a - marks[0][0][2]), 1) for s, _, a in marks[0]},
+            "seconds_by_step": {int(s): round(t, 1) for s, t, _ in marks[0]},
         }
     print(json.dumps(report, indent=1))
     s, a = report["sync"], report["async"]
