@@ -167,12 +167,14 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypat
     from relayrl.algorithms.grpo_async import GRPOAsyncSteps
 
     held: list[int] = []
-    partitions: list[int] = []
+    partitions: list[list[str]] = []
     step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
 
     def live_keys(steps: GRPOAsyncSteps) -> int:
+        if steps.producer._thread.is_alive():  # count once production is idle: no half-put batch
+            steps.producer.drain()
         client = steps.policy.dp_client
-        partitions.append(len(client.bytes_held()))
+        partitions.append(sorted(client.bytes_held()))
         return sum(len(client.keys(pid)) for pid in client.bytes_held())
 
     def step_and_count(self, batch, index):
@@ -188,11 +190,12 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypat
     monkeypatch.setattr(GRPOAsyncSteps, "close", close_and_count)
     stop_early = ("grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.0")
     _run(tmp_path, tiny_model_dir, "leaks", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=2", *stop_early)
-    assert held[-1] == 0  # nothing left in the store once the run ended
-    assert all(n <= 2 * 16 for n in held[:-1])  # at most d = 2 batches of 16 rows ahead of training
-    # a batch's partition is retired with its step: the store (and each metrics row) never holds more than the d
-    # batches ahead, the one being generated and the validation partition, however long the run
-    assert max(partitions) <= 2 + 1 + 1 and partitions[-1] <= 1
+    # after step k the weights of version k allow batches up to k + 1 + d: batches 2-4 after step 1, 3-4 after step 2
+    # (16 rows each; the run has 4), and nothing once the run ended
+    assert held == [3 * 16, 2 * 16, 0]
+    # a batch's partition is retired with its step: the store (and each metrics row) holds the batches ahead and the
+    # validation partition, however long the run
+    assert partitions == [["train_b2", "train_b3", "train_b4"], ["train_b3", "train_b4"], ["val"]]
     rows = [json.loads(x) for x in (tmp_path / "leaks" / "metrics.jsonl").read_text().splitlines()]
     assert max(sum(k.startswith("data_plane/held_bytes/") for k in r) for r in rows) <= 2 + 1 + 1
     out = capsys.readouterr().out
