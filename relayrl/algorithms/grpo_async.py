@@ -120,17 +120,19 @@ def _producer_side(
             raise
         weights = policy.state_dict  # type: ignore[attr-defined]  # Ray: rank 0's weights arrive as a copy
         return _ProducerSide(twin, actor, client, weights, ray_actor=actor, own_client=True)
-    source = policy.generation_source  # type: ignore[attr-defined]  # the local executor's rank-0 worker
+    # the local executor's rank-0 worker, or under LoRA its merged view (a plain module, re-merged per version)
+    source = policy.generation_source  # type: ignore[attr-defined]
     pin = _PinnedSource(source.model, start_version)
+    device = next(pin.model.parameters()).device
     gen_cfg = cfg.policy.generation.model_copy(
         update={"colocated": cfg.policy.generation.colocated.model_copy(update={"enabled": False})}
     )
-    engine = _local_engine(cfg, gen_cfg, tokenizer, pin, source.device)
+    engine = _local_engine(cfg, gen_cfg, tokenizer, pin, device)
 
     def clone_live() -> dict[str, torch.Tensor]:
-        weights = {k: v.detach().clone() for k, v in policy.generation_source.model.state_dict().items()}  # type: ignore[attr-defined]
-        if torch.device(source.device).type == "cuda":  # the producer reads the copy on its own stream: finish it first
-            torch.cuda.current_stream(source.device).synchronize()
+        weights = {k: v.detach().clone() for k, v in source.model.state_dict().items()}
+        if device.type == "cuda":  # the producer reads the copy on its own stream: finish it first
+            torch.cuda.current_stream(device).synchronize()
         return weights
 
     local = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
@@ -298,7 +300,9 @@ class GRPOAsyncSteps(GRPOSyncSteps):
         self.actor.record_step(meta, request)
 
     def _reference_in_producer(self) -> bool:
-        return self.cfg.grpo.async_grpo.reference_pass != "trainer" and not self.skip_ref
+        """Under LoRA the reference model is the live module with its adapters off: never beside training."""
+        cfg = self.cfg
+        return cfg.grpo.async_grpo.reference_pass != "trainer" and not self.skip_ref and not cfg.policy.lora.enabled
 
     def _reference_pass(self, meta: KVBatchMeta) -> KVBatchMeta:
         """Producer thread: the frozen reference model's log-probs of a fresh batch, written under its keys (the

@@ -150,7 +150,8 @@ class AsyncGRPOConfig(Strict):
     values are the same wherever they run). `producer`: right after generation, off the training side. `trainer`: in
     the step, as the sync trainer does. `auto`: on the producer unless the trainer is already waiting for that batch,
     then in the step, so the pass goes to whichever side has time (on a large model the producer is ahead and does
-    them; on a tiny one the step does)."""
+    them; on a tiny one the step does). Under LoRA (the reference is the live module with its adapters off) always
+    in the step."""
     generator: Literal["process", "thread"] = "process"
     """Where the producer's generation engine decodes. `process`: a child process with its own interpreter (CPU), so
     decoding runs beside training instead of taking turns with it on Python's interpreter lock; it samples the same

@@ -85,6 +85,16 @@ def test_old_policy_from_the_training_forward_equals_a_separate_pass(tmp_path, t
     assert separate[STEPS]["train/probs_ratio"] == pytest.approx(1.0, abs=1e-5)  # pi_theta == pi_old at one step
 
 
+def test_a_lora_policy_trains_asynchronously(tmp_path, tiny_model_dir):
+    """Under LoRA the producer generates from the merged weights of each published version (process and thread
+    alike)."""
+    lora = ("policy.lora.enabled=true", "policy.lora.rank=4")
+    a = _run(tmp_path, tiny_model_dir, "lora", *ASYNC, *lora)
+    assert [a[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+    assert a[STEPS]["train/sampling_importance_ratio"] != 1.0
+    assert _run(tmp_path, tiny_model_dir, "lora_thread", *ASYNC, *lora, "grpo.async_grpo.generator=thread") == a
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_producer_generates_on_its_own_stream(tmp_path, tiny_model_dir):
