@@ -25,6 +25,11 @@ Run (about 2.5 minutes on a quiet 2-core CPU, up to 5 when the box is shared):
 
 `--relayrl-override KEY=VALUE` (repeatable) adds relayrl config overrides, e.g. to measure a candidate speed-up.
 Besides wall time, both sides report CPU seconds per step and per phase, which a shared box disturbs far less.
+
+The fp32 floor line says how far any implementation of relayrl's step could go here: the step's linear-layer
+matmul FLOPs (generation, reference pass, forward + backward) divided by two cores at the single-core matmul
+throughput measured before the rounds. At 25M parameters the step is compute-bound, so a ratio to TRL below the
+floor's cannot be reached in float32 on this machine, whatever the scheduling.
 """
 
 from __future__ import annotations
@@ -61,6 +66,50 @@ def build_model_dir(path: Path, size: str = "tiny") -> int:
     model = build_tiny_qwen2(len(tokenizer), seed=SEED, **MODEL_SIZES[size])  # type: ignore[arg-type]
     save_tiny_model(path, model, tokenizer)
     return count_parameters(model)
+
+
+def matmul_flops_per_token(model_dir: str) -> tuple[float, int]:
+    """(FLOPs of one token's linear-layer matmuls in a forward pass: 2 x the weights of every projection and the LM
+    head, mean prompt tokens of the bench's chat-templated prompts). Attention scores, norms and activations are left
+    out: at these lengths they are a few percent, so the floor below is a lower bound."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relayrl.experience.arithmetic import all_problems, split_problems
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train, _ = split_problems(all_problems(), num_val=200)
+    msgs = [[{"role": "user", "content": p.problem}] for p in train[:256]]
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]  # as relayrl's data
+    return 2.0 * weights, round(statistics.mean(lengths))
+
+
+def gemm_peak_gflops(hidden: int, seconds: float = 1.0) -> float:
+    """One core's float32 matmul throughput, measured now on a [2048, hidden] x [hidden, 4 hidden] product (the
+    shape of a training pass's MLP projection), best of a few timed runs."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, w = torch.randn(2048, hidden), torch.randn(4 * hidden, hidden)
+    flops, best = 2.0 * a.shape[0] * hidden * w.shape[0], 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            torch.nn.functional.linear(a, w)
+        best = max(best, 4 * flops / (time.perf_counter() - t))
+    return best / 1e9
+
+
+def fp32_floor(flops_per_token: float, prompt_tokens: int, gen_tokens: float, peak: float, cores: int = 2) -> float:
+    """Seconds per step below which no fp32 implementation of relayrl's step can go on `cores` cores at `peak`
+    GFLOPS each: generation (one forward per generated token), the reference pass (one forward over the step's
+    distinct tokens: each prompt once, every completion) and training (forward + backward, three forwards' worth)."""
+    distinct = NUM_PROMPTS * prompt_tokens + gen_tokens
+    return flops_per_token * (gen_tokens + 4 * distinct) / (cores * peak * 1e9)
 
 
 def _median(xs: list[float]) -> float:
@@ -370,6 +419,8 @@ def main() -> None:
         from relayrl.models.fast.kernels import load_cpu_kernels
 
         load_cpu_kernels()  # build relayrl's compiled CPU kernels now (cached), not inside a timed run
+        flops_per_token, prompt_tokens = matmul_flops_per_token(model_dir)
+        peak = gemm_peak_gflops(MODEL_SIZES[args.model_size].get("hidden_size", 128))
         dims = ", ".join(f"{k}={v}" for k, v in MODEL_SIZES[args.model_size].items())
         print(f"model: random Qwen2 ({args.model_size}: {dims}), {n_params:,} params; ", end="")
         print(f"{NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
@@ -405,6 +456,13 @@ def main() -> None:
     for key in sorted({k for r in runs["relayrl"] for k in r["phases"]}):
         vals = [x for r in runs["relayrl"] for x in r["phases"][key][args.warmup :]]
         print(f"  {key.removeprefix('timing/train/'):32s} {_median(vals):.4f}")
+    gen_tokens = _median(_steady(runs["relayrl"], "gen_tokens", args.warmup))
+    floor = fp32_floor(flops_per_token, prompt_tokens, gen_tokens, peak)
+    print(
+        f"fp32 floor of relayrl's step: {floor:.3f} s ({flops_per_token * 1e-6:.1f} MFLOP/token of linear layers, "
+        f"{prompt_tokens}-token prompts, {gen_tokens:.0f} generated tokens; both cores at this core's measured "
+        f"{peak:.0f} GFLOPS): {floor / rl['wall']:.2f} of relayrl's step, {floor / trl['wall']:.3f} of TRL's"
+    )
     ratio = rl["wall"] / trl["wall"]
     print(
         f"\nratio relayrl/TRL: median step wall {ratio:.3f} (target <= 0.5: {'PASS' if ratio <= 0.5 else 'FAIL'}); "
