@@ -76,3 +76,30 @@ def test_a_dead_child_is_reported_with_its_exit_code(engines, char_tokenizer):
     with pytest.raises(GenerationProcessError, match=r"generation process exited \(code -9\)"):
         remote.generate(_batch(char_tokenizer, PROMPTS))
     assert remote.shutdown()
+
+
+def test_refits_go_through_one_staging_copy(engines, char_tokenizer):
+    """Each refit writes the snapshot into the shared-memory copy made at start (never a new one) and the child loads
+    that: two refits in a row sample what the in-process engine samples after the same refits."""
+    local, remote, model = engines
+    batch = _batch(char_tokenizer, PROMPTS)
+    staged = {k: t.data_ptr() for k, t in remote._staging.tensors.items()}
+    for version, scale in ((1, 1.5), (2, 0.5)):
+        snapshot = {k: v.detach().clone() * scale for k, v in model.state_dict().items()}
+        local.load_weights(snapshot, version)
+        local._source.weights_version = version
+        remote.load_weights(snapshot, version)
+        assert {k: t.data_ptr() for k, t in remote._staging.tensors.items()} == staged
+        _same(remote._staging.tensors, snapshot)
+        _same(local.generate(batch, greedy=True), remote.generate(batch, greedy=True))
+
+
+def test_a_snapshot_of_other_weights_is_refused_in_one_line(engines, char_tokenizer):
+    _, remote, model = engines
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    snapshot.pop("lm_head.weight")
+    with pytest.raises(
+        GenerationProcessError, match=r"in load_weights: RuntimeError: Error\(s\) in loading state_dict"
+    ):
+        remote.load_weights(snapshot, 1)
+    assert remote.generate(_batch(char_tokenizer, PROMPTS))["output_ids"].shape[0] == len(PROMPTS)

@@ -1,0 +1,84 @@
+"""Refit time of async GRPO's generation process: the staging copy made at start vs a fresh shared-memory segment per
+tensor and refit (what `ProcessGeneration.load_weights` did before).
+
+Why: on the local executor, async GRPO's producer refits its generation process from the trainer's published
+snapshot before every batch. The refit sits on the producer's critical path, and its CPU on this side is taken
+from the trainer's process. Both grow with the model.
+
+For each model size: one `ProcessGeneration` (1 torch thread), `--refits` refits of fresh snapshots, alternating the
+two paths refit by refit so a shared box disturbs both alike; wall seconds and this process's CPU seconds per refit,
+medians, and their ratios. Sizes are random Qwen2s with relayrl's character tokenizer: `1m` (the shipped model's
+shape), `25m` (the bench's 25M: hidden 512, 6 layers, MLP 2048), `100m` (hidden 1024, 8 layers, MLP 4096).
+
+    python bench/process_refit.py --refits 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from relayrl.config import ColocatedConfig, GenerationConfig
+from relayrl.models.generation.process_generation import ProcessGeneration
+from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_parameters
+
+SIZES: dict[str, dict[str, int]] = {
+    "1m": {},
+    "25m": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, intermediate_size=2048),
+    "100m": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16, intermediate_size=4096),
+}
+
+
+def measure(size: str, refits: int) -> None:
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_qwen2(len(tokenizer), seed=1, **SIZES[size])  # type: ignore[arg-type]
+    engine = ProcessGeneration(
+        GenerationConfig(colocated=ColocatedConfig(enabled=False)),
+        tokenizer,
+        model,
+        0,
+        max_total_sequence_length=128,
+        seed=1,
+        num_threads=1,
+        deterministic=True,
+    )
+    paths = {
+        "staged": lambda state, v: engine.load_weights(state, v),
+        # the former path: the snapshot itself is sent, each tensor moved into a new shared-memory segment
+        "per-refit segments": lambda state, v: engine._call("load_weights", dict(state), v),
+    }
+    wall: dict[str, list[float]] = {name: [] for name in paths}
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
+    try:
+        for version in range(1, 2 * refits + 1):
+            name = list(paths)[version % 2]
+            snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}  # as the trainer publishes
+            t, c = time.perf_counter(), time.process_time()
+            paths[name](snapshot, version)
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    finally:
+        engine.shutdown()
+    med = {n: (statistics.median(wall[n][1:]), statistics.median(cpu[n][1:])) for n in paths}
+    print(f"{size:>5s} ({count_parameters(model) / 1e6:.1f}M params)", end="")
+    for n, (w, c) in med.items():
+        print(f" | {n}: {w * 1e3:.1f} ms wall, {c * 1e3:.1f} ms CPU", end="")
+    (ws, cs), (wo, co) = med["staged"], med["per-refit segments"]
+    print(f" | staged/former: wall {ws / wo:.2f}, CPU {cs / max(co, 1e-9):.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--refits", type=int, default=12, help="refits per path and size (the first is discarded)")
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    for size in args.sizes:
+        measure(size, args.refits)
+
+
+if __name__ == "__main__":
+    main()
