@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from model_shapes import WIDE_25M  # bench/model_shapes.py
+
 SEED = 42
-WIDE = dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, intermediate_size=2048)
 
 
 def build_wide_model(path: Path) -> int:
@@ -47,7 +48,7 @@ def build_wide_model(path: Path) -> int:
     from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_parameters, save_tiny_model
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(len(tokenizer), seed=SEED, **WIDE)  # type: ignore[arg-type]
+    model = build_tiny_qwen2(len(tokenizer), seed=SEED, **WIDE_25M)  # type: ignore[arg-type]
     save_tiny_model(path, model, tokenizer)
     return count_parameters(model)
 

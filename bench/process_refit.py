@@ -8,7 +8,7 @@ from the trainer's process. Both grow with the model.
 For each model size: one `ProcessGeneration` (1 torch thread), `--refits` refits of fresh snapshots, alternating the
 two paths refit by refit so a shared box disturbs both alike; wall seconds and this process's CPU seconds per refit,
 medians, and their ratios. Sizes are random Qwen2s with relayrl's character tokenizer: `1m` (the shipped model's
-shape), `25m` (the bench's 25M: hidden 512, 6 layers, MLP 2048), `100m` (hidden 1024, 8 layers, MLP 4096).
+shape), `25m` (the bench's 25M: hidden 512, 6 layers, MLP 2048), `134m` (hidden 1024, 8 layers, MLP 4096).
 
     python bench/process_refit.py --refits 12
 """
@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from model_shapes import WIDE_25M, WIDE_134M  # bench/model_shapes.py
 
 from relayrl.config import ColocatedConfig, GenerationConfig
 from relayrl.models.generation.process_generation import ProcessGeneration
@@ -27,8 +28,8 @@ from relayrl.models.tiny import build_char_tokenizer, build_tiny_qwen2, count_pa
 
 SIZES: dict[str, dict[str, int]] = {
     "1m": {},
-    "25m": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, intermediate_size=2048),
-    "100m": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16, intermediate_size=4096),
+    "25m": WIDE_25M,
+    "134m": WIDE_134M,
 }
 
 

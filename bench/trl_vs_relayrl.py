@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from model_shapes import WIDE_25M  # bench/model_shapes.py
+
 NUM_PROMPTS, NUM_GENERATIONS, MAX_NEW_TOKENS = 8, 4, 64
 KL_BETA, SEED = 0.04, 42
 
@@ -54,7 +56,7 @@ KL_BETA, SEED = 0.04, 42
 #: embeddings) with 2 layers (~0.56M parameters); `25m` widens it (hidden 512, 6 layers, 8 heads, MLP 2048).
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(num_layers=2),
-    "25m": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, intermediate_size=2048),
+    "25m": WIDE_25M,
 }
 
 
