@@ -4,6 +4,11 @@ A ~1M-parameter Qwen2 with a character tokenizer is trained with plain supervise
 split of the arithmetic task, and stopped as soon as its greedy held-out accuracy first reaches the target band:
 half-trained on purpose, so GRPO/PPO has clear headroom to show. Deterministic for a given seed.
 
+Why lr 5e-4 at batch 128: the earlier warm start (lr 1e-3, batch 64, stopped at 0.35) had learnt addition far
+better than subtraction (56% vs 16%), and the default GRPO run plateaued at 0.64 (+29 points) with subtraction
+stuck near 31% (mostly the units digit after a borrow). The gentler warm start stops at 0.30 with the two operations
+closer (38% vs 23%); the same default run takes it to 0.71 (+41), subtraction to ~57%.
+
     python scripts/make_tiny_model.py --out relayrl/assets/tiny-arith --seed 0
 """
 
@@ -175,8 +180,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("relayrl/assets/tiny-arith"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--eval-every", type=int, default=25)
