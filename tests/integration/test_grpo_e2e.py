@@ -66,8 +66,9 @@ def test_grpo_learns_arithmetic_on_the_shipped_model(tmp_path, capsys):
     """Learning, in numbers: 60 GRPO steps of the shipped model (builtin:tiny-arith, 128 samples a step, the
     default lr 3e-5 with its cosine decay, here over 60 steps, seed 42) raise its greedy accuracy on the 200 held-out
     validation problems by at least 5 points. Measured on a 2-core CPU (15-25 s): seed 42 0.300 -> 0.490 (+19.0
-    points); seeds 1, 2, 3: +20.0, +19.5, +19.5 (lr 1e-4, which suited the earlier warm start, gives +3.0 here). The logged train reward is the mean of the step's per-sample rewards in samples.jsonl, and
-    `relayrl evaluate` of the final checkpoint reproduces the final validation accuracy."""
+    points); seeds 1, 2, 3: +20.0, +19.5, +19.5 (lr 1e-4, which suited the earlier warm start, gives +3.0 here).
+    The logged train reward is the mean of the step's per-sample rewards in samples.jsonl, and `relayrl evaluate`
+    of the final checkpoint reproduces the final validation accuracy."""
     run_dir = tmp_path / "run"
     overrides = [
         "grpo.max_num_steps=60",
