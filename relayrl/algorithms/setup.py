@@ -182,6 +182,9 @@ def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) ->
     # DirectoryInUseError names the holder's pid.
     checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
     run_locks = lock_run_directories(run_dir, checkpoint_dir)
+    # Ray actors work in another directory than the driver: every path handed on (checkpoints, recorded rollouts)
+    # is absolute, or a relative run directory would get the actors' files somewhere else.
+    run_dir, checkpoint_dir = run_dir.absolute(), checkpoint_dir.absolute()
     if cfg.cluster.torch_num_threads is not None:
         torch.set_num_threads(cfg.cluster.torch_num_threads)
     if cfg.cluster.deterministic:

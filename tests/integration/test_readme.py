@@ -172,7 +172,14 @@ def test_readme_command_runs(command, workdir, monkeypatch, capsys):
 def test_readme_ray_command_runs(command, workdir, monkeypatch, request):
     request.getfixturevalue("ray_cluster")
     monkeypatch.chdir(workdir)
+    before = set((workdir / "runs").glob("*"))
     assert main([*shlex.split(command)[1:], *SMALL_RAY]) == 0, command
+    # the Ray actors work in another directory than this one: what they write (the policy's checkpointed weights,
+    # the recorded rollouts) must still land in the run directory named relative to here
+    (run_dir,) = set((workdir / "runs").glob("*")) - before
+    step = _newest_step(run_dir)
+    assert (run_dir / "checkpoints" / f"step_{step}" / "policy" / "weights" / "model.safetensors").is_file()
+    assert (run_dir / "rollouts" / f"step_{step:06d}.parquet").is_file()
 
 
 def _installed(module: str) -> bool:
