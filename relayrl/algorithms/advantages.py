@@ -34,6 +34,15 @@ class GRPOAdvantageEstimator:
     """
 
     def __init__(self, normalize_rewards: bool, use_leave_one_out_baseline: bool, epsilon: float = 1e-6) -> None:
+        for name, flag in (
+            ("normalize_rewards", normalize_rewards),
+            ("use_leave_one_out_baseline", use_leave_one_out_baseline),
+        ):
+            if not isinstance(flag, bool):  # the reference's (estimator_cfg, loss_cfg) would turn both on, silently
+                raise TypeError(
+                    f"GRPOAdvantageEstimator's {name} must be a bool, got {type(flag).__name__}; build it from a config "
+                    "with build_advantage_estimator(grpo_cfg, loss_cfg)"
+                )
         self.normalize_rewards = normalize_rewards
         self.use_leave_one_out_baseline = use_leave_one_out_baseline
         self.epsilon = epsilon

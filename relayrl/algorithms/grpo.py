@@ -303,6 +303,11 @@ def dynamic_sampling(
     generation batches until `num_prompts_per_step × G` rows exist (extra rows are discarded and counted).
     Raises once more than `dynamic_sampling_max_gen_batches` generation batches failed to reach the target.
     """
+    if batch_cache is not None and not isinstance(batch_cache, BatchedDataDict):  # e.g. the reference's timer
+        raise TypeError(
+            f"dynamic_sampling's batch_cache must be a BatchedDataDict or None, got {type(batch_cache).__name__} "
+            "(relayrl's dynamic_sampling takes no timer argument)"
+        )
     g = cfg.grpo
     repeated_batch["baseline"] = baseline  # [B]
     repeated_batch["std"] = std  # [B]

@@ -225,6 +225,11 @@ class MasterConfig(Strict):
                 "value.tokenizer is not used: the critic scores the policy's token ids with policy.tokenizer; remove it"
             )
         kl_in_reward = self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0
+        if self.loss_fn.use_kl_in_reward and self.loss_fn.force_on_policy_ratio:
+            raise ValueError(
+                "loss_fn.force_on_policy_ratio=true skips the previous-log-prob pass that loss_fn.use_kl_in_reward=true "
+                "needs for the KL in the reward: set one of them to false"
+            )
         if self.algorithm == "grpo" and kl_in_reward and g.adv_estimator.name == "grpo":
             raise ValueError(
                 "loss_fn.use_kl_in_reward=true with grpo.adv_estimator.name='grpo' would drop the KL penalty (the loss "

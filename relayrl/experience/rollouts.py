@@ -321,8 +321,8 @@ def build_message_advantage_overrides(
 
 def aggregate_rollout_metrics(metric_dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Combine metrics of several rollout batches: `/min` or `min_` keys take the min, `/max` or `max_` the max,
-    `total_turns` is summed, everything else numeric (incl. `*_rate`) is averaged; non-numeric values pass through
-    (the last one seen).
+    `total_turns` is summed, everything else numeric is averaged, rates always (`max_turns_reached_rate` is a share
+    of rows, not a maximum); non-numeric values pass through (the last one seen).
     """
     values: dict[str, list[Any]] = {}
     for d in metric_dicts:
@@ -332,6 +332,8 @@ def aggregate_rollout_metrics(metric_dicts: Sequence[dict[str, Any]]) -> dict[st
     for k, vs in values.items():
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in vs):
             out[k] = vs[-1]
+        elif k.endswith("_rate"):
+            out[k] = sum(vs) / len(vs)
         elif k.endswith("/min") or k.startswith("min_"):
             out[k] = min(vs)
         elif k.endswith("/max") or k.startswith("max_"):

@@ -90,6 +90,10 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (["train", "grpo.advantage_clip_low=1", "grpo.advantage_clip_high=-1"], "advantage_clip_low"),
     (["train", "loss_fn.use_kl_in_reward=true"], "loss_fn.use_kl_in_reward=true with grpo.adv_estimator.name='grpo'"),
+    (  # the legacy trainer took the in-reward KL against zeros, the data-plane one dropped it (NeMo RL refuses)
+        ["train", "loss_fn.use_kl_in_reward=true", "loss_fn.force_on_policy_ratio=true", "algorithm=ppo"],
+        "skips the previous-log-prob pass that loss_fn.use_kl_in_reward=true needs",
+    ),
     (["train", "algorithm=ppo", "reward_penalties.malformed_thinking_advantage=-1"], "applies to GRPO only"),
     (["train", "algorithm=ppo", "value.tokenizer.name=x"], "value.tokenizer is not used"),
     (["train", "data_plane.storage_capacity=10"], "data_plane.storage_capacity"),

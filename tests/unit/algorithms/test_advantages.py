@@ -163,3 +163,10 @@ def test_clip_advantages() -> None:
     assert clip_advantages(adv, None, 3.0).tolist() == [[-10.0, 3.0, 0.5]]
     assert clip_advantages(adv, -2.0, None).tolist() == [[-2.0, 15.0, 0.5]]
     assert clip_advantages(adv, None, None) is adv
+
+
+def test_grpo_estimator_refuses_config_objects_for_its_flags():
+    """The reference's `GRPOAdvantageEstimator(estimator_cfg, loss_cfg)`: truthy config objects would turn
+    normalisation and leave-one-out on without a word."""
+    with pytest.raises(TypeError, match="normalize_rewards must be a bool, got dict"):
+        GRPOAdvantageEstimator({"name": "grpo"}, {"reference_policy_kl_penalty": 0.0})  # type: ignore[arg-type]

@@ -159,3 +159,12 @@ def test_first_assistant_lengths_and_shaping():
     assert unshaped is not None and torch.allclose(unshaped, torch.tensor([1.0, 0.8, 0.6, 0.4]))
     with pytest.raises(ValueError, match="no assistant message"):
         first_assistant_lengths([[{"role": "user", "token_ids": torch.zeros(2)}]])
+
+
+def test_dynamic_sampling_refuses_a_timer_where_the_cache_goes():
+    """The reference passes a timer as the sixth argument; here it would have become the batch cache, silently."""
+    from relayrl.utils.timer import Timer
+
+    cfg = _cfg(use_dynamic_sampling=True)
+    with pytest.raises(TypeError, match="batch_cache must be a BatchedDataDict or None, got Timer"):
+        dynamic_sampling(_batch([0.5] * 6), torch.ones(6), torch.zeros(6), 1, cfg, Timer())

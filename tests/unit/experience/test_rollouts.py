@@ -352,6 +352,17 @@ def test_aggregate_rollout_metrics() -> None:
     assert aggregate_rollout_metrics([]) == {}
 
 
+def test_aggregate_rollout_metrics_averages_rates_named_min_or_max() -> None:
+    """`max_turns_reached_rate` is a share of rows: two batches at 1.0 and 0.0 reached the limit on half their rows."""
+    agg = aggregate_rollout_metrics(
+        [
+            {"max_turns_reached_rate": 1.0, "min_reward_rate": 0.2},
+            {"max_turns_reached_rate": 0.0, "min_reward_rate": 0.6},
+        ]
+    )
+    assert agg == {"max_turns_reached_rate": 0.5, "min_reward_rate": pytest.approx(0.4)}
+
+
 def test_trim_to_last_loss_token_cuts_trailing_non_loss_tokens():
     from relayrl.distributed.batched_data_dict import BatchedDataDict
     from relayrl.experience.rollouts import trim_to_last_loss_token
