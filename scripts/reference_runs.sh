@@ -12,10 +12,11 @@ NAMES="grpo grpo_legacy ppo ppo_legacy grpo_async replay"
 
 run() {
     local out=$1 steps=${2:-40}
+    [ ! -e "$out" ] || { echo "$out exists: give a new directory (an existing run directory would resume)"; exit 2; }
     mkdir -p "$out"
     export HF_HUB_OFFLINE=1
     local common=("grpo.max_num_steps=$steps" "grpo.val_period=20")
-    $RELAYRL train --run-dir "$out/grpo" "${common[@]}"
+    $RELAYRL train --run-dir "$out/grpo" "${common[@]}" checkpointing.save_period=10 checkpointing.keep_top_k=null
     $RELAYRL train --run-dir "$out/grpo_legacy" "${common[@]}" data_plane.enabled=false
     $RELAYRL train --config configs/ppo_arith_tiny.yaml --run-dir "$out/ppo" "ppo.max_num_steps=$steps" ppo.val_period=20
     $RELAYRL train --config configs/ppo_arith_tiny.yaml --run-dir "$out/ppo_legacy" "ppo.max_num_steps=$steps" \
@@ -33,7 +34,9 @@ compare() {
     local a=$1 b=$2 bad=0
     for n in $NAMES; do
         [ -d "$a/$n" ] || continue
-        if out=$($RELAYRL diff "$a/$n" "$b/$n" 2>&1); then echo "$n: $out"; else echo "$n: DIFFERS: $out"; bad=1; fi
+        flag=--all  # transport counters too, except async's, which depend on when the producer ran
+        [ "$n" = grpo_async ] && flag=
+        if out=$($RELAYRL diff $flag "$a/$n" "$b/$n" 2>&1); then echo "$n: $out"; else echo "$n: DIFFERS: $out"; bad=1; fi
     done
     return $bad
 }

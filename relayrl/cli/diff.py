@@ -2,7 +2,9 @@
 the first sample and column; "identical" and exit 0 when every metric of their common steps is equal.
 
 Metrics that measure time (timings, throughput, latencies) differ between any two runs and are never compared;
-sample keys are random per run and are skipped in the sample comparison.
+sample keys are random per run and are skipped in the sample comparison. Transport counters (the data plane's bytes,
+operation counts and occupancy, the driver's byte accounting) are left out too unless `--all` is given: they say how
+data moved, not what was trained, and with async GRPO they depend on when the producer ran.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ def add_parser(sub: Any) -> None:
     d.add_argument("run_a")
     d.add_argument("run_b")
     d.add_argument("--rows", type=int, default=8, help="differing metrics shown at the first divergent step")
+    d.add_argument(
+        "--all",
+        dest="include_transport",
+        action="store_true",
+        help="also compare transport counters (data_plane/*, the driver's byte accounting); timings never",
+    )
     d.set_defaults(handler=run)
 
 
@@ -37,8 +45,14 @@ def is_timed(name: str) -> bool:
     )
 
 
-def load_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """metrics.jsonl merged by step, each step's names in logged order (time-based metrics left out)."""
+def is_transport(name: str) -> bool:
+    """Counters of how data moved (bytes, operations, occupancy), not of what was trained."""
+    return name.startswith("data_plane/") or name.startswith("train/driver_") or name.endswith("_bytes_written")
+
+
+def load_metrics(run_dir: Path, *, include_transport: bool = True) -> dict[int, dict[str, Any]]:
+    """metrics.jsonl merged by step, each step's names in logged order (time-based metrics left out, and transport
+    counters unless `include_transport`)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
@@ -46,7 +60,8 @@ def load_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     for line in path.read_text().splitlines():
         row = json.loads(line)
         step = int(row.pop("step"))
-        out.setdefault(step, {}).update({k: v for k, v in row.items() if not is_timed(k)})
+        kept = {k: v for k, v in row.items() if not is_timed(k) and (include_transport or not is_transport(k))}
+        out.setdefault(step, {}).update(kept)
     return out
 
 
@@ -99,7 +114,8 @@ def _short(value: Any, width: int = 28) -> str:
 def run(args: argparse.Namespace) -> int:
     run_a, run_b = Path(args.run_a), Path(args.run_b)
     try:
-        a, b = load_metrics(run_a), load_metrics(run_b)
+        a = load_metrics(run_a, include_transport=args.include_transport)
+        b = load_metrics(run_b, include_transport=args.include_transport)
     except FileNotFoundError as exc:
         return fail(str(exc))
     common = sorted(set(a) & set(b))

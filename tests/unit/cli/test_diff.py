@@ -28,3 +28,25 @@ def test_a_metric_only_one_run_logged_is_a_divergence():
 
 def test_nan_equals_nan():
     assert same(math.nan, math.nan) and not same(1.0, math.nan)
+
+
+def test_transport_counters_are_compared_only_with_all(tmp_path, capsys):
+    """Two async runs differ in occupancy and byte counters by when the producer ran: not a divergence by default."""
+    import json
+
+    from relayrl.cli.diff import is_transport
+    from relayrl.cli.main import main
+
+    for name in ("data_plane/held_bytes/train_b2", "data_plane/all/get_bytes", "train/driver_bytes",
+                 "train/driver_meta_bytes", "train/store_bytes_written", "train/driver_fraction_of_store_bytes"):  # fmt: skip
+        assert is_transport(name), name
+    for name in ("train/loss", "train/reward", "validation/accuracy", "async/trajectory_age_mean"):
+        assert not is_transport(name), name
+    for run, held in (("a", 59400.0), ("b", 0.0)):
+        (tmp_path / run).mkdir()
+        rows = [{"step": 1, "train/loss": 0.5, "data_plane/held_bytes_total": held, "train/driver_meta_bytes": held}]
+        (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["diff", "--all", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "data_plane/held_bytes_total" in capsys.readouterr().out
