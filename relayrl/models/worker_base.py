@@ -35,6 +35,8 @@ from relayrl.distributed.local import SingleProcessCollective
 from relayrl.distributed.parallelize import wrap_model
 from relayrl.models.microbatch import planned, with_plan
 from relayrl.models.optim import (
+    MicrobatchLoss,
+    TrainCall,
     all_reduce_clip_and_step,
     load_optimizer_checkpoint,
     save_optimizer_checkpoint,
@@ -48,8 +50,6 @@ LOAD_LOCK = threading.Lock()
 
 #: The config of a trainable replica: the keys used here are common to both.
 ModelConfig: TypeAlias = PolicyConfig | ValueConfig
-#: One micro-batch's loss: (micro-batch, global valid sequences, global valid tokens) -> (loss, metrics).
-MicrobatchLoss: TypeAlias = Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
 class ModelOptions(TypedDict, total=False):
@@ -177,7 +177,7 @@ class ModelWorker:
         """Write the live weights as a directory `_load` reads back."""
         raise NotImplementedError
 
-    def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
+    def valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
         """The token mask the loss averages over ([b, S] or [b, S-1])."""
         raise NotImplementedError
 
@@ -185,7 +185,7 @@ class ModelWorker:
         """`loss_fn` applied to the training module's output on one micro-batch."""
         raise NotImplementedError
 
-    def _zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
+    def zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
         """0 x a full forward of the training module: a DDP/FSDP2 rank with nothing to learn from a micro-batch
         still joins its peers' gradient collectives (zero gradients)."""
         raise NotImplementedError
@@ -214,7 +214,8 @@ class ModelWorker:
         return next((model or self.model).parameters()).device
 
     @staticmethod
-    def _micro_batches(data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
+    def micro_batches(data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
+        """`data` in row blocks of `size`, each moved to `device` (the training loop's plain micro-batches)."""
         for start in range(0, data.size, size):
             yield data.slice(start, min(start + size, data.size)).to(device)
 
@@ -239,25 +240,8 @@ class ModelWorker:
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         data, plan, _ = planned(data, self.cfg, "train_mb_tokens", max(gbs // self.comm.world_size, 1))
         with self._mode(self.model, not eval_mode), grad_ctx:
-            result = train_global_batches(
-                data=data,
-                gbs=gbs,
-                mbs=mbs,
-                eval_mode=eval_mode,
-                comm=self.comm,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                params=self.dp.params,
-                device=device,
-                micro_batches=self._micro_batches,
-                valid_tokens=self._valid_tokens,
-                loss_for_microbatch=self._microbatch_loss(loss_fn),
-                step=self._reduce_clip_and_step,
-                rank=self.rank,
-                dp=self.dp,
-                zero_loss=self._zero_loss,
-                plan=plan,
-            )
+            call = TrainCall(gbs=gbs, mbs=mbs, eval_mode=eval_mode, device=device, plan=plan)
+            result = train_global_batches(self, data, self._microbatch_loss(loss_fn), call)
         if not eval_mode:
             dev.empty_cache(self.device)
         return {
@@ -268,10 +252,10 @@ class ModelWorker:
             "device": dev.device_name(self.device),
         }
 
-    def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
+    def step_optimizer(self) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
         assert self.optimizer is not None
-        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
+        grad_norm = all_reduce_clip_and_step(self.dp.params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
         self.weights_version += 1
         return grad_norm
 
