@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.architecture_classes import multiple_behaviour_bases, scan_classes
+
 PACKAGE = "relayrl"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
@@ -433,3 +435,47 @@ def test_checker_reports_upward_imports_math_imports_cycles_and_private_names(tm
 )
 def test_layer_of(module: str, layer: int | None) -> None:
     assert layer_of(module) == layer
+
+
+# --------------------------------------------------------------------------------------------- class structure
+
+
+def test_no_model_class_has_two_method_bearing_bases() -> None:
+    """Composition over multiple inheritance in relayrl/models (issue 25): see `tests/architecture_classes.py`."""
+    classes, unresolved = scan_classes(module_names(ROOT), PACKAGE)
+    assert not unresolved, report("relayrl bases that could not be resolved", unresolved)
+    bad = multiple_behaviour_bases(classes, f"{PACKAGE}.models.")
+    assert not bad, report("classes with two or more method-bearing bases (hold one as a component instead)", bad)
+
+
+def test_class_checker_flags_diamonds_and_spares_interfaces(tmp_path: Path) -> None:
+    pkg = write_tree(
+        tmp_path,
+        {
+            "models/base.py": (
+                "from abc import ABC, abstractmethod\nfrom typing import Generic, Protocol, TypeVar\n"
+                "W = TypeVar('W')\n"
+                "class Facade(Generic[W]):\n    def train(self):\n        return 1\n"
+                "class Iface(ABC):\n    @abstractmethod\n    def train(self):\n        '''Doc.'''\n"
+                "class Seam(Protocol):\n    def fetch(self) -> int:\n        return 0\n"
+                "class Marker:\n    def hook(self) -> None:\n        ...\n"
+            ),
+            "models/__init__.py": "from relayrl.models.base import Facade\n",
+            "models/impl.py": (
+                "from torch import nn\nfrom relayrl.models import Facade\nfrom relayrl.models import base\n"
+                "class Policy(Facade[int], base.Iface):\n    pass\n"  # one concrete base, one interface
+                "class TQFacade(Facade[int]):\n    def shutdown(self):\n        return True\n"
+                "class TQPolicy(TQFacade, Policy):\n    pass\n"  # the diamond: both bases bring methods
+                "class Ok(base.Seam, base.Marker, Policy):\n    pass\n"  # Protocol + trivial + one concrete
+                "class Err(Policy, RuntimeError):\n    pass\n"  # a builtin mixed in
+                "class Net(nn.Module, Facade):\n    pass\n"  # an external class brings methods
+                "class Lost(base.Missing):\n    pass\n"
+            ),
+        },
+    )
+    classes, unresolved = scan_classes(module_names(pkg), PACKAGE)
+    assert unresolved == ["relayrl.models.impl.Lost: base base.Missing"]
+    assert multiple_behaviour_bases(classes, "relayrl.models.") == [
+        "relayrl.models.impl.Net (line 15): external:torch.nn.Module, relayrl.models.base.Facade",
+        "relayrl.models.impl.TQPolicy (line 9): relayrl.models.impl.TQFacade, relayrl.models.impl.Policy",
+    ]

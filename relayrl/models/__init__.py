@@ -3,11 +3,12 @@
 One copy of each mechanism:
 
 - `worker_base`: a data-parallel replica of a trainable model (`ModelWorker`: loading, rank 0's weights broadcast,
-  AdamW + LR schedule, the train() loop, micro-batching, train/inference memory phases, checkpoint save/load) and
-  its data-plane entry points (`TQModelWorker`); `optim` the optimizer step and global-batch loop it runs.
+  AdamW + LR schedule, the train() loop, micro-batching, train/inference memory phases, checkpoint save/load);
+  `optim` the optimizer step and the global-batch loop it runs (over a `TrainingReplica`); `worker_data_plane`
+  the store connection a data-plane worker holds (`WorkerDataPlane`) and its entry points (`DataPlaneWorker`).
 - `facade_base`: the driver side of such a group (`ModelFacade`: worker group from the `cluster` block, train(),
-  memory phases, checkpoints); `tq_facade` the data-plane façade layer (`TQFacade`: dispatch by `KVBatchMeta`,
-  the step's partition end, driver reads and writes).
+  memory phases, checkpoints); `tq_facade` the data-plane façade layer (`TQFacade`: holds a `ModelFacade` and
+  dispatches by `KVBatchMeta`, the step's partition end, driver reads and writes).
 - `policy/` the causal-LM policy, `value/` the PPO critic, each a worker + façade over the shared bases, plus
   their data-plane variants; `generation/` the generation engines; `fast/` the CPU fast path; `tiny` the embedded
   tiny model.

@@ -92,6 +92,17 @@ def merge_train_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {**results[0], "all_mb_metrics": merged}
 
 
+def check_train_sizes(rows: int, gbs: int, mbs: int, dp_size: int, what: str) -> None:
+    """`rows` split into whole global batches of `gbs`, each into `dp_size` shards of whole micro-batches of `mbs`."""
+    if rows == 0 or rows % gbs:
+        raise ValueError(f"{what}: {rows} rows are not a positive multiple of the global batch size {gbs}")
+    if gbs % dp_size or (gbs // dp_size) % mbs:
+        raise ValueError(
+            f"{what}: global batch {gbs} must split into {dp_size} data-parallel shards of whole "
+            f"micro-batches of {mbs} rows"
+        )
+
+
 class ModelFacade(Generic[W]):
     """Driver side of one worker per data-parallel rank of a trainable model (`W`: the worker class)."""
 
@@ -108,8 +119,12 @@ class ModelFacade(Generic[W]):
         config: ModelConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         cluster: ClusterConfig | None,
+        *,
+        worker_cls: type[W] | None = None,
         **worker_kwargs: object,
     ) -> None:
+        if worker_cls is not None:  # a data-plane façade drives this one with its data-plane-aware workers
+            self.worker_cls = worker_cls
         self.cfg = config
         self.cluster = cluster if cluster is not None else ClusterConfig()
         dev.apply_runtime_settings(
@@ -127,6 +142,11 @@ class ModelFacade(Generic[W]):
         )
 
     # ------------------------------------------------------------------ properties
+    @property
+    def worker_group(self) -> WorkerGroup[W]:
+        """The group of one worker per data-parallel rank this façade dispatches to."""
+        return self._group
+
     @property
     def weights_version(self) -> int:
         """Optimizer steps taken (restored from an optimizer checkpoint)."""
@@ -186,7 +206,7 @@ class ModelFacade(Generic[W]):
         rows = check_batch(data, TRAIN_KEYS, "train")
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
-        self._check_train_sizes(rows, gbs, mbs, "train")
+        check_train_sizes(rows, gbs, mbs, self.dp_size, "train")
         planned = plan_shards(data, self.dp_size, self.cfg, "train_mb_tokens", gbs)  # packing / dynamic batching
         shards: list[BatchedDataDict] = (
             BatchedDataDict(data).shard_by_batch_size(self.dp_size, batch_size=gbs)
@@ -195,18 +215,10 @@ class ModelFacade(Generic[W]):
         )
         with timed(timer, self.train_timer_label):
             results = self._group.run_sharded(ModelWorker.train, shards, loss_fn, eval_mode, gbs, mbs)
-        return self._merge_train_results(results)
+        return self.merge_results(results)
 
-    def _check_train_sizes(self, rows: int, gbs: int, mbs: int, what: str) -> None:
-        if rows == 0 or rows % gbs:
-            raise ValueError(f"{what}: {rows} rows are not a positive multiple of the global batch size {gbs}")
-        if gbs % self.dp_size or (gbs // self.dp_size) % mbs:
-            raise ValueError(
-                f"{what}: global batch {gbs} must split into {self.dp_size} data-parallel shards of whole "
-                f"micro-batches of {mbs} rows"
-            )
-
-    def _merge_train_results(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+    def merge_results(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Per-rank train results -> the one `train` returns (a data-plane façade merges its own the same way)."""
         return merge_train_results(results)
 
     # ------------------------------------------------------------------ memory phases

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import nn
 
+from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.parallelize import DataParallel
 from relayrl.models.microbatch import ShardPlan, cut, with_replays
 from relayrl.utils import device as dev
+
+#: One micro-batch's loss: (micro-batch, global valid sequences, global valid tokens) -> (loss, metrics).
+MicrobatchLoss: TypeAlias = Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
 def all_reduce_clip_and_step(
@@ -78,133 +82,205 @@ def record_microbatch_metrics(
     metrics["global_valid_toks"].append(float(global_valid_toks))
 
 
+class TrainingReplica(Protocol):
+    """The worker `train_global_batches` trains (`ModelWorker` is one): its collective, optimizer and data-parallel
+    wrapper, plus the three model-specific steps the loop cannot know (what a loss averages over, how a rank with
+    nothing to learn still joins its peers' collectives, the optimizer step itself) and how rows are batched."""
+
+    @property
+    def comm(self) -> Collective: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None: ...
+    @property
+    def dp(self) -> DataParallel: ...
+
+    def micro_batches(self, data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
+        """`data` in row blocks of `size`, each moved to `device`."""
+        ...
+
+    def valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
+        """The token mask the loss averages over ([b, S] or [b, S-1])."""
+        ...
+
+    def zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
+        """0 x a full forward of the training module (a dummy micro-batch under DDP / FSDP2)."""
+        ...
+
+    def step_optimizer(self) -> torch.Tensor:
+        """Reduce gradients over ranks, clip, step; returns the pre-clip global L2 norm."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrainCall:
+    """The shape of one train() call: `gbs` rows per optimizer step (gbs / world on this rank) in micro-batches of
+    `mbs`, or the micro-batch `plan` (sequence packing / dynamic batching) instead; `device` is where the model
+    computes."""
+
+    gbs: int
+    mbs: int
+    eval_mode: bool
+    device: torch.device
+    plan: ShardPlan | None = None
+
+
+@dataclass
+class _Tally:
+    """What a train() call accumulates over its global batches."""
+
+    num_gb: int
+    lr: float
+    losses: list[torch.Tensor] = field(default_factory=list)  # one [] loss per global batch
+    metrics: defaultdict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    seqs: float = 0.0
+    toks: float = 0.0
+    grad_norm: torch.Tensor | None = None
+
+
 def train_global_batches(
-    *,
-    data: Any,  # BatchedDataDict of this rank's rows
-    gbs: int,
-    mbs: int,
-    eval_mode: bool,
-    comm: Collective,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    params: list[nn.Parameter],
-    device: torch.device,
-    micro_batches: Callable[[Any, int, torch.device], Any],
-    valid_tokens: Callable[[Any], torch.Tensor],
-    loss_for_microbatch: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
-    step: Callable[[list[nn.Parameter]], torch.Tensor],
-    rank: int,
-    dp: DataParallel | None = None,
-    zero_loss: Callable[[Any], torch.Tensor] | None = None,
-    plan: ShardPlan | None = None,
+    replica: TrainingReplica, data: BatchedDataDict, loss: MicrobatchLoss, call: TrainCall
 ) -> dict[str, Any]:
     """One train() call (reference §3.9), shared by the policy and value workers.
 
-    One optimizer step per global batch of `gbs` rows (gbs / world on this rank); counts of valid sequences and
-    tokens are summed over ranks, so every micro-batch loss is a partial sum of the global-batch mean; the scheduler
-    steps once per call. `valid_tokens(gb_data)` is the token mask the loss averages over (the policy's drops
-    position 0). Callers own train/eval mode and the no-grad context.
+    One optimizer step per global batch; counts of valid sequences and tokens are summed over ranks, so every
+    micro-batch `loss` is a partial sum of the global-batch mean; the scheduler steps once per call. Callers own
+    train/eval mode and the no-grad context.
 
-    `dp` (DDP / FSDP2) reduces gradients inside backward, so every rank runs every micro-batch and only the last
-    micro-batch of a global batch syncs. One without a valid sample or without any loss position runs
-    `zero_loss(mb)` instead of the loss: a full forward touching every parameter, times 0 (exactly zero gradients,
-    the same collectives as its peers whatever the loss function skips), and is not recorded.
-
-    `plan` (sequence packing / dynamic batching): this rank's rows per global batch and its micro-batches come from
-    the plan instead of `gbs` / `mbs`; under `dp` every rank tops its micro-batches up to the largest count of any
-    rank with zero-loss replays (`microbatch.with_replays`).
+    A DDP / FSDP2 `replica.dp` reduces gradients inside backward, so every rank runs every micro-batch and only the
+    last one of a global batch syncs. One without a valid sample or without any loss position runs
+    `replica.zero_loss(mb)` instead of the loss: a full forward touching every parameter, times 0 (exactly zero
+    gradients, the same collectives as its peers whatever the loss function skips), and is not recorded. Under a
+    `call.plan` every such rank tops its micro-batches up to the busiest rank's count (`microbatch.with_replays`).
     """
-    world = comm.world_size
-    wrapped = dp is not None and dp.reduces_in_backward
-    if wrapped and zero_loss is None:
-        raise ValueError("train_global_batches: a DDP/FSDP2 strategy needs zero_loss for dummy micro-batches")
-    if plan is None:
-        local_gbs = gbs // world
-        if local_gbs < 1 or local_gbs % mbs:
-            raise ValueError(f"per-rank global batch {gbs}/{world}={local_gbs} is not a multiple of mbs={mbs}")
-        if data.size % local_gbs:
-            raise ValueError(f"{data.size} rows on rank {rank} are not a multiple of the per-rank batch {local_gbs}")
-        gb_bounds = [(gb * local_gbs, (gb + 1) * local_gbs) for gb in range(data.size // local_gbs)]
-    else:
-        gb_bounds = plan.gb_bounds()
-        if (gb_bounds[-1][1] if gb_bounds else 0) != data.size:
-            raise ValueError(
-                f"the micro-batch plan covers {sum(plan.elem_counts_per_gb)} rows, rank {rank} has {data.size}"
-            )
-    num_gb = len(gb_bounds)
-    lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
-    losses: list[torch.Tensor] = []
-    grad_norm: torch.Tensor | None = None
-    metrics: dict[str, list[float]] = defaultdict(list)
-    total_seqs, total_toks = 0.0, 0.0
-    for gb, (gb_start, gb_end) in enumerate(gb_bounds):
-        gb_data = data.slice(gb_start, gb_end)
-        sample_mask = gb_data["sample_mask"].float()  # [b]
-        counts = torch.stack([sample_mask.sum(), (valid_tokens(gb_data).float() * sample_mask[:, None]).sum()]).to(
-            device
-        )  # [2]: valid sequences, valid tokens of this rank's part
-        comm.all_reduce_sum(counts)
-        global_seqs, global_toks = counts[0], counts[1]
-        total_seqs += float(global_seqs)
-        total_toks += float(global_toks)
-        if not eval_mode and optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        gb_loss = torch.zeros((), device=device)
-        if plan is None:
-            num_mb = -(-gb_data.size // mbs)
-            batches = ((mb, False) for mb in micro_batches(gb_data, mbs, device))
-        else:
-            planned = plan.micro_batches(gb)
-            if wrapped:  # every rank must run as many forward/backward passes as the busiest one
-                planned = with_replays(planned, max(comm.all_gather_object(sum(m.end > m.start for m in planned))))
-            planned = [m for m in planned if m.end > m.start]
-            num_mb = len(planned)
-            batches = ((cut(gb_data, m).to(device), m.replay) for m in planned)
-        for i, (mb, replay) in enumerate(batches):
-            valid = not replay and float(mb["sample_mask"].float().sum()) > 0
-            if wrapped and valid:  # no loss position: a dummy too (an FSDP2 backward must pass through every unit)
-                valid = float((valid_tokens(mb).float() * mb["sample_mask"].float()[:, None]).sum()) > 0
-            if not valid and not wrapped:
-                continue  # no valid sample: contributes nothing to the loss, metrics or gradient
-            with dp.micro_batch(sync=i == num_mb - 1) if dp is not None else contextlib.nullcontext():
-
-                def closure(
-                    mb: Any = mb,
-                    valid: bool = valid,
-                    seqs: torch.Tensor = global_seqs,
-                    toks: torch.Tensor = global_toks,
-                ) -> tuple[torch.Tensor, dict[str, Any]]:
-                    if valid:
-                        loss, mb_metrics = loss_for_microbatch(mb, seqs, toks)
-                        if dp is not None and wrapped and not eval_mode and not loss.requires_grad:
-                            loss = loss + dp.zero_touch()  # no loss position (no graph): still reach the collectives
-                        return loss, mb_metrics
-                    assert zero_loss is not None
-                    return zero_loss(mb), {}  # a dummy: every rank must reach the same collectives
-
-                loss, mb_metrics = dp.forward(closure, training=not eval_mode) if dp is not None else closure()
-                if not eval_mode and loss.requires_grad:  # no graph: no loss position, zero gradient
-                    loss.backward()
-            if valid:
-                gb_loss += loss.detach()
-                record_microbatch_metrics(metrics, mb_metrics, num_gb, lr, global_seqs, global_toks)
-        if not eval_mode:
-            grad_norm = step(params)
-        losses.append(gb_loss)
-    loss_per_gb = torch.stack(losses) if losses else torch.zeros(0, device=device)  # [num_gb]
-    comm.all_reduce_sum(loss_per_gb)
-    if not eval_mode and optimizer is not None:
+    bounds = _global_batch_bounds(data.size, call, replica.comm.world_size, replica.rank)
+    optimizer = replica.optimizer
+    tally = _Tally(len(bounds), optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0)
+    for gb, (gb_start, gb_end) in enumerate(bounds):
+        _train_global_batch(replica, data.slice(gb_start, gb_end), gb, loss, call, tally)
+    loss_per_gb = torch.stack(tally.losses) if tally.losses else torch.zeros(0, device=call.device)  # [num_gb]
+    replica.comm.all_reduce_sum(loss_per_gb)
+    if not call.eval_mode and optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()  # once per train() call, not per optimizer step
+        assert replica.scheduler is not None  # built with the optimizer
+        replica.scheduler.step()  # once per train() call, not per optimizer step
     return {
         "loss": loss_per_gb.cpu(),
-        "grad_norm": grad_norm,
-        "all_mb_metrics": dict(metrics),
-        "lr": lr,
-        "num_global_batches": num_gb,
-        "num_valid_seqs": total_seqs,
-        "num_valid_tokens": total_toks,
+        "grad_norm": tally.grad_norm,
+        "all_mb_metrics": dict(tally.metrics),
+        "lr": tally.lr,
+        "num_global_batches": tally.num_gb,
+        "num_valid_seqs": tally.seqs,
+        "num_valid_tokens": tally.toks,
     }
+
+
+def _global_batch_bounds(rows: int, call: TrainCall, world: int, rank: int) -> list[tuple[int, int]]:
+    """[start, end) of each global batch among this rank's `rows`: blocks of gbs / world, or the plan's."""
+    if call.plan is None:
+        local_gbs = call.gbs // world
+        if local_gbs < 1 or local_gbs % call.mbs:
+            raise ValueError(
+                f"per-rank global batch {call.gbs}/{world}={local_gbs} is not a multiple of mbs={call.mbs}"
+            )
+        if rows % local_gbs:
+            raise ValueError(f"{rows} rows on rank {rank} are not a multiple of the per-rank batch {local_gbs}")
+        return [(gb * local_gbs, (gb + 1) * local_gbs) for gb in range(rows // local_gbs)]
+    bounds = call.plan.gb_bounds()
+    if (bounds[-1][1] if bounds else 0) != rows:
+        raise ValueError(
+            f"the micro-batch plan covers {sum(call.plan.elem_counts_per_gb)} rows, rank {rank} has {rows}"
+        )
+    return bounds
+
+
+def _train_global_batch(
+    replica: TrainingReplica, gb_data: BatchedDataDict, gb: int, loss: MicrobatchLoss, call: TrainCall, tally: _Tally
+) -> None:
+    """Global batch `gb`: every micro-batch's forward and backward, then one optimizer step (unless evaluating)."""
+    seqs, toks = _global_counts(replica, gb_data, call.device)
+    tally.seqs += float(seqs)
+    tally.toks += float(toks)
+    if not call.eval_mode and replica.optimizer is not None:
+        replica.optimizer.zero_grad(set_to_none=True)
+    gb_loss = torch.zeros((), device=call.device)
+    wrapped = replica.dp.reduces_in_backward
+    num_mb, batches = _micro_batches_of(replica, gb_data, gb, call, wrapped)
+    for i, (mb, replay) in enumerate(batches):
+        valid = _is_valid(replica, mb, replay, wrapped)
+        if not valid and not wrapped:
+            continue  # no valid sample: contributes nothing to the loss, metrics or gradient
+        with replica.dp.micro_batch(sync=i == num_mb - 1):
+            mb_loss, mb_metrics = _forward_backward(replica, mb, loss if valid else None, seqs, toks, call.eval_mode)
+        if valid:
+            gb_loss += mb_loss.detach()
+            record_microbatch_metrics(tally.metrics, mb_metrics, tally.num_gb, tally.lr, seqs, toks)
+    if not call.eval_mode:
+        tally.grad_norm = replica.step_optimizer()
+    tally.losses.append(gb_loss)
+
+
+def _global_counts(
+    replica: TrainingReplica, gb_data: BatchedDataDict, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid sequences and valid tokens of the whole global batch (this rank's part summed over ranks)."""
+    sample_mask = gb_data["sample_mask"].float()  # [b]
+    counts = torch.stack([sample_mask.sum(), (replica.valid_tokens(gb_data).float() * sample_mask[:, None]).sum()]).to(
+        device
+    )  # [2]: valid sequences, valid tokens of this rank's part
+    replica.comm.all_reduce_sum(counts)
+    return counts[0], counts[1]
+
+
+def _micro_batches_of(
+    replica: TrainingReplica, gb_data: BatchedDataDict, gb: int, call: TrainCall, wrapped: bool
+) -> tuple[int, Iterator[tuple[BatchedDataDict, bool]]]:
+    """(how many, the micro-batches lazily, each with whether it is a zero-loss replay) of global batch `gb`."""
+    if call.plan is None:
+        num_mb = -(-gb_data.size // call.mbs)
+        return num_mb, ((mb, False) for mb in replica.micro_batches(gb_data, call.mbs, call.device))
+    planned = call.plan.micro_batches(gb)
+    if wrapped:  # every rank must run as many forward/backward passes as the busiest one
+        busiest = max(replica.comm.all_gather_object(sum(m.end > m.start for m in planned)))
+        planned = with_replays(planned, busiest)
+    planned = [m for m in planned if m.end > m.start]
+    return len(planned), ((cut(gb_data, m).to(call.device), m.replay) for m in planned)
+
+
+def _is_valid(replica: TrainingReplica, mb: BatchedDataDict, replay: bool, wrapped: bool) -> bool:
+    """Whether a micro-batch has a valid sample (and, under DDP / FSDP2, a loss position) to learn from."""
+    valid = not replay and float(mb["sample_mask"].float().sum()) > 0
+    if wrapped and valid:  # no loss position: a dummy too (an FSDP2 backward must pass through every unit)
+        valid = float((replica.valid_tokens(mb).float() * mb["sample_mask"].float()[:, None]).sum()) > 0
+    return valid
+
+
+def _forward_backward(
+    replica: TrainingReplica,
+    mb: BatchedDataDict,
+    loss: MicrobatchLoss | None,
+    seqs: torch.Tensor,
+    toks: torch.Tensor,
+    eval_mode: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One micro-batch through `replica.dp`: `loss` (None: the zero-loss dummy), then backward when it has a graph."""
+    dp = replica.dp
+
+    def closure() -> tuple[torch.Tensor, dict[str, Any]]:
+        if loss is not None:
+            value, mb_metrics = loss(mb, seqs, toks)
+            if dp.reduces_in_backward and not eval_mode and not value.requires_grad:
+                value = value + dp.zero_touch()  # no loss position (no graph): still reach the collectives
+            return value, mb_metrics
+        return replica.zero_loss(mb), {}  # a dummy: every rank must reach the same collectives
+
+    value, mb_metrics = dp.forward(closure, training=not eval_mode)
+    if not eval_mode and value.requires_grad:  # no graph: no loss position, zero gradient
+        value.backward()
+    return value, mb_metrics
 
 
 #: File name of the optimizer + scheduler state inside an optimizer checkpoint directory.

@@ -5,16 +5,21 @@ A data-plane façade ships metadata only: each dispatch splits a meta's key list
 under the same keys. `TQFacade` holds what both façades do the same way: connecting the driver's client and the
 workers' (the policy bootstraps the store, the critic attaches to it), the padded width every reader uses,
 driver-side reads and writes, `train_from_meta`, and the step's end, which fails on any key left behind.
+
+A façade *holds* the `Policy` / `Value` it drives (`model`, built with data-plane workers) instead of inheriting
+from it, and forwards explicitly what its callers use of it: what it adds and what it passes through stay apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
+
+import torch
 
 from relayrl.algorithms.interfaces import LossFunction
-from relayrl.config import DataPlaneConfig
+from relayrl.config import ClusterConfig, DataPlaneConfig
 from relayrl.data_plane.column_io import pack_fields, read_columns
 from relayrl.data_plane.factory import close_quietly, connect_driver_and_workers, validate_data_plane_config
 from relayrl.data_plane.interfaces import DataPlaneClient, DataPlaneError, KVBatchMeta, format_keys
@@ -24,16 +29,18 @@ from relayrl.data_plane.schema import (
     INPUT_IDS,
     PAD_TO_MULTIPLE,
     TOKEN_ALIGNED_FIELDS,
-    TRAIN_PARTITION,
     round_up,
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.models.facade_base import ModelFacade, timed
+from relayrl.distributed.interfaces import WorkerGroup
+from relayrl.models.facade_base import ModelFacade, check_train_sizes, timed
 from relayrl.models.microbatch import PlannerArgs, packing_args, shard_meta
-from relayrl.models.worker_base import TQModelWorker
+from relayrl.models.worker_base import ModelConfig
+from relayrl.models.worker_data_plane import DataPlaneWorker
 from relayrl.utils.timer import Timer
 
-TW = TypeVar("TW", bound=TQModelWorker)
+M = TypeVar("M", bound=ModelFacade[Any])
+TW = TypeVar("TW", bound=DataPlaneWorker)
 
 
 class DataPlaneLeakError(DataPlaneError, RuntimeError):
@@ -60,8 +67,17 @@ def require_written(results: Sequence[object], method_name: str) -> None:
         raise RuntimeError(f"{method_name} must write its result to the store and return None")
 
 
-class TQFacade(ModelFacade[TW]):
-    """A `ModelFacade` whose bulk inputs and per-token outputs live in the data plane (`dp_cfg` = `data_plane:`)."""
+def validate_facade_args(dp_cfg: DataPlaneConfig | Mapping[str, Any], tq_partition_id: str) -> DataPlaneConfig:
+    """The parsed `data_plane:` config; raises before any model is loaded when it or the partition id is bad."""
+    parsed = validate_data_plane_config(dp_cfg)
+    if not isinstance(tq_partition_id, str) or not tq_partition_id:
+        raise ValueError(f"tq_partition_id must be a non-empty string, got {tq_partition_id!r}")
+    return parsed
+
+
+class TQFacade(Generic[M, TW]):
+    """Drives a `ModelFacade` (`M`, whose workers are `TW`s) through the data plane (`dp_cfg` = `data_plane:`):
+    bulk inputs and per-token outputs live in the store, the driver ships `KVBatchMeta`s."""
 
     #: Whether this façade's client bootstraps the store (the policy) or attaches to it in the driver (the critic).
     bootstraps_store: ClassVar[bool] = True
@@ -73,30 +89,84 @@ class TQFacade(ModelFacade[TW]):
     #: Per-token fields a driver write stores unpadded (by `meta.sequence_lengths`).
     token_fields: ClassVar[frozenset[str]] = TOKEN_ALIGNED_FIELDS
 
-    def __init__(
+    def __init__(self, model: M, dp_cfg: DataPlaneConfig, tq_partition_id: str) -> None:
+        """`model` is built with `TW` workers; `dp_cfg` and `tq_partition_id` are checked (`validate_facade_args`)."""
+        if model.dp_size <= 0:
+            raise ValueError(f"{type(self).__name__} needs a positive data-parallel size, got {model.dp_size}")
+        self.model = model
+        self.dp_cfg = dp_cfg
+        self.tq_partition_id = tq_partition_id
+        #: The held façade's group, typed by the data-plane workers it was built from.
+        self._group = cast("WorkerGroup[TW]", model.worker_group)
+        self.dp_client: DataPlaneClient = connect_driver_and_workers(
+            self._group, dp_cfg, bootstrap=self.bootstraps_store
+        )
+
+    # ------------------------------------------------------------------ the held façade (explicit pass-through)
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return self.model.cluster
+
+    @property
+    def dp_size(self) -> int:
+        return self.model.dp_size
+
+    @property
+    def worker_group(self) -> WorkerGroup[TW]:
+        return self._group
+
+    @property
+    def weights_version(self) -> int:
+        return self.model.weights_version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def train(
         self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        *,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Timer | None = None,
+    ) -> dict[str, Any]:
+        """The held façade's in-memory `train` (rows shipped from the driver, not fetched by key)."""
+        return self.model.train(data, loss_fn, eval_mode, gbs=gbs, mbs=mbs, timer=timer)
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        self.model.prepare_for_training(*args, **kwargs)
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        self.model.finish_training(*args, **kwargs)
+
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
         *args: Any,
-        dp_cfg: DataPlaneConfig | Mapping[str, Any],
-        tq_partition_id: str = TRAIN_PARTITION,
         **kwargs: Any,
     ) -> None:
-        parsed = validate_data_plane_config(dp_cfg)  # fail before any model is loaded
-        if not isinstance(tq_partition_id, str) or not tq_partition_id:
-            raise ValueError(f"tq_partition_id must be a non-empty string, got {tq_partition_id!r}")
-        super().__init__(*args, **kwargs)
-        if self.dp_size <= 0:
-            raise ValueError(f"{type(self).__name__} needs a positive data-parallel size, got {self.dp_size}")
-        self.dp_cfg = parsed
-        self.tq_partition_id = tq_partition_id
-        self.dp_client: DataPlaneClient = connect_driver_and_workers(
-            self._group, parsed, bootstrap=self.bootstraps_store
-        )
+        self.model.save_checkpoint(weights_path, optimizer_path, tokenizer_path, *args, **kwargs)
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        self.model.load_checkpoint(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> bool:
         """Close the driver's client (errors become warnings), then shut the workers down."""
         close_quietly(self.dp_client)
-        return super().shutdown()
+        return self.model.shutdown()
 
     # ------------------------------------------------------------------ partition lifecycle
     def discard_samples(self, keys: Sequence[str], partition_id: str) -> int:
@@ -207,17 +277,17 @@ class TQFacade(ModelFacade[TW]):
         check_meta(meta, "train_from_meta")
         gbs = gbs or self.cfg.train_global_batch_size
         mbs = mbs or self.cfg.train_micro_batch_size
-        self._check_train_sizes(meta.size, gbs, mbs, "train_from_meta")
+        check_train_sizes(meta.size, gbs, mbs, self.dp_size, "train_from_meta")
         fields = dict.fromkeys(self.train_fields if train_fields is None else train_fields)
         shard_label, call_label = self.train_meta_timers
         shards = self._meta_shards(
             meta, fields, self.train_task, batch_size=gbs, stage="train_mb_tokens", timer=timer, label=shard_label
         )
         with timed(timer, call_label):
-            results = self._group.run_sharded(TQModelWorker.train_presharded, shards, loss_fn, eval_mode, gbs, mbs)
-        return self._merge_train_results(results)
+            results = self._group.run_sharded(DataPlaneWorker.train_presharded, shards, loss_fn, eval_mode, gbs, mbs)
+        return self.model.merge_results(results)
 
     # ------------------------------------------------------------------ observability
     def _worker_data_plane_metrics(self, reset: bool) -> list[dict[str, float]]:
         """Every worker's client counters (`data_plane/*`), in rank order."""
-        return self._group.run_all(TQModelWorker.data_plane_metrics, reset)
+        return self._group.run_all(DataPlaneWorker.data_plane_metrics, reset)

@@ -4,8 +4,8 @@
 rank), activation checkpointing, the data-parallel wrapper, AdamW and the LR schedule, the train() loop
 (`models.optim.train_global_batches`), micro-batching (`models.microbatch` plans packed and dynamic ones), memory
 phases and checkpoint save/load.
-A subclass says how its network is loaded and saved and what one micro-batch's loss is. `TQModelWorker` adds the
-data-plane entry points both data-plane workers share (fetch this rank's keys, train on them, report counters).
+A subclass says how its network is loaded and saved and what one micro-batch's loss is. The data-plane workers add
+their entry points on top and hold their store connection (`models.worker_data_plane.WorkerDataPlane`).
 
 Workers know nothing about how they are hosted: the local executor calls them as plain objects, a Ray group as
 actors. Everything that must agree across ranks goes through `self.comm`, a `Collective` (no-ops for one rank).
@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeAlias, TypedDict
 
@@ -27,14 +27,14 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrain
 
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import PolicyConfig, SchedulerConfig, ValueConfig
-from relayrl.data_plane.interfaces import KVBatchMeta
-from relayrl.data_plane.worker import DataPlaneWorkerMixin
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.distributed.local import SingleProcessCollective
 from relayrl.distributed.parallelize import wrap_model
-from relayrl.models.microbatch import planned, with_plan
+from relayrl.models.microbatch import planned
 from relayrl.models.optim import (
+    MicrobatchLoss,
+    TrainCall,
     all_reduce_clip_and_step,
     load_optimizer_checkpoint,
     save_optimizer_checkpoint,
@@ -48,8 +48,6 @@ LOAD_LOCK = threading.Lock()
 
 #: The config of a trainable replica: the keys used here are common to both.
 ModelConfig: TypeAlias = PolicyConfig | ValueConfig
-#: One micro-batch's loss: (micro-batch, global valid sequences, global valid tokens) -> (loss, metrics).
-MicrobatchLoss: TypeAlias = Callable[[BatchedDataDict, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
 class ModelOptions(TypedDict, total=False):
@@ -177,7 +175,7 @@ class ModelWorker:
         """Write the live weights as a directory `_load` reads back."""
         raise NotImplementedError
 
-    def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
+    def valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
         """The token mask the loss averages over ([b, S] or [b, S-1])."""
         raise NotImplementedError
 
@@ -185,7 +183,7 @@ class ModelWorker:
         """`loss_fn` applied to the training module's output on one micro-batch."""
         raise NotImplementedError
 
-    def _zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
+    def zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
         """0 x a full forward of the training module: a DDP/FSDP2 rank with nothing to learn from a micro-batch
         still joins its peers' gradient collectives (zero gradients)."""
         raise NotImplementedError
@@ -214,7 +212,8 @@ class ModelWorker:
         return next((model or self.model).parameters()).device
 
     @staticmethod
-    def _micro_batches(data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
+    def micro_batches(data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
+        """`data` in row blocks of `size`, each moved to `device` (the training loop's plain micro-batches)."""
         for start in range(0, data.size, size):
             yield data.slice(start, min(start + size, data.size)).to(device)
 
@@ -239,25 +238,8 @@ class ModelWorker:
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         data, plan, _ = planned(data, self.cfg, "train_mb_tokens", max(gbs // self.comm.world_size, 1))
         with self._mode(self.model, not eval_mode), grad_ctx:
-            result = train_global_batches(
-                data=data,
-                gbs=gbs,
-                mbs=mbs,
-                eval_mode=eval_mode,
-                comm=self.comm,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                params=self.dp.params,
-                device=device,
-                micro_batches=self._micro_batches,
-                valid_tokens=self._valid_tokens,
-                loss_for_microbatch=self._microbatch_loss(loss_fn),
-                step=self._reduce_clip_and_step,
-                rank=self.rank,
-                dp=self.dp,
-                zero_loss=self._zero_loss,
-                plan=plan,
-            )
+            call = TrainCall(gbs=gbs, mbs=mbs, eval_mode=eval_mode, device=device, plan=plan)
+            result = train_global_batches(self, data, self._microbatch_loss(loss_fn), call)
         if not eval_mode:
             dev.empty_cache(self.device)
         return {
@@ -268,10 +250,10 @@ class ModelWorker:
             "device": dev.device_name(self.device),
         }
 
-    def _reduce_clip_and_step(self, params: list[nn.Parameter]) -> torch.Tensor:
+    def step_optimizer(self) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
         assert self.optimizer is not None
-        grad_norm = all_reduce_clip_and_step(params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
+        grad_norm = all_reduce_clip_and_step(self.dp.params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
         self.weights_version += 1
         return grad_norm
 
@@ -356,51 +338,3 @@ class ModelWorker:
         self.optimizer = None
         self.scheduler = None
         return True
-
-
-class TQModelWorker(ModelWorker, DataPlaneWorkerMixin):
-    """A `ModelWorker` fed from the data plane: each `*_presharded` entry point gets a `KVBatchMeta` naming this
-    rank's keys, fetches those rows at the batch-wide padded width, and writes per-token results back."""
-
-    def _local_coords(self) -> dict[str, int]:
-        """Pure data parallelism (no tensor/context/pipeline axes): every rank leads its own replica and writes
-        back its own keys, also under torch.distributed (the Ray executor)."""
-        return {}
-
-    def _complete_train_batch(self, data: BatchedDataDict) -> BatchedDataDict:
-        """Bring fetched train rows to the layout `train` expects (as they are, unless a subclass says otherwise)."""
-        return data
-
-    def _write_back_pass(
-        self,
-        meta: KVBatchMeta,
-        compute: Callable[[BatchedDataDict, int | None], BatchedDataDict],
-        micro_batch_size: int | None,
-        result_key: str,
-        field: str,
-        fields: tuple[str, ...] | None = None,
-    ) -> None:
-        """Fetch this rank's rows (`fields`, default `meta.fields`), run `compute`, write `result_key` back as the
-        per-token column `field`. Returns None: only the store sees the result."""
-        if meta.size == 0:  # more ranks than rows: this rank has nothing to do
-            return None
-        result = compute(with_plan(self._fetch(meta, fields), self.cfg, meta.extra_info), micro_batch_size)  # [n, W]
-        if result_key not in result:
-            raise RuntimeError(f"worker result is missing key '{result_key}' (has {sorted(result)})")
-        self._write_back_result_field(meta, field, result[result_key], per_token=True)
-        return None
-
-    def train_presharded(
-        self, meta: KVBatchMeta, loss_fn: LossFunction, eval_mode: bool, gbs: int, mbs: int
-    ) -> dict[str, Any]:
-        """Fetch this rank's training rows (`meta.fields`), then run the ordinary `train`; returns its result."""
-        if meta.size == 0:
-            raise ValueError(
-                "train_presharded: this rank's meta has no keys; the global batch must give every rank rows"
-            )
-        data = with_plan(self._complete_train_batch(self._fetch(meta)), self.cfg, meta.extra_info)
-        return self.train(data, loss_fn, eval_mode, gbs, mbs)
-
-    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
-        """This rank's client counters (`data_plane/*`), so the driver can total the bytes every client moved."""
-        return {} if self._dp_client is None else self._dp_client.metrics(reset)

@@ -78,11 +78,15 @@ class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
         *,
         cluster: ClusterConfig | None = None,
         init_reference_model: bool = True,
+        worker_cls: type[PolicyWorker] | None = None,
         **options: Unpack[ModelOptions],
     ) -> None:
+        """`worker_cls` replaces `PolicyWorker` (a `TQPolicy` drives its policy with data-plane workers)."""
         self.has_reference = init_reference_model
         cfg = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
-        super().__init__(cfg, tokenizer, cluster, init_reference_model=init_reference_model, **options)
+        super().__init__(
+            cfg, tokenizer, cluster, worker_cls=worker_cls, init_reference_model=init_reference_model, **options
+        )
 
     # ------------------------------------------------------------------ properties
     @property

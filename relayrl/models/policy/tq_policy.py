@@ -7,7 +7,8 @@ minted once at rollout (`SyncRolloutActor.rollout_to_tq`). Each dispatch splits 
 computes, and writes results back under the same keys, so the driver ships metadata and only waits. The class also
 owns the partition lifecycle: `prepare_step` registers the step's partition, `finish_step` clears it and fails
 on any key left behind (a leak is an error, not a warning). What it shares with `TQValue` is
-`models.tq_facade.TQFacade`.
+`models.tq_facade.TQFacade`. It holds the `Policy` it drives (`model`, built with `TQPolicyWorker`s) and forwards
+the rest of the policy interface to it explicitly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
@@ -25,13 +27,22 @@ from relayrl.data_plane.schema import (
     TASK_REF_LP,
     TASK_TRAIN,
     TRAIN_CONSUMER_TASKS,
+    TRAIN_PARTITION,
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import method_name
 from relayrl.models.facade_base import merge_train_results, timed
-from relayrl.models.policy.lm_policy import Policy
+from relayrl.models.policy.interfaces import ColocatablePolicyInterface
+from relayrl.models.policy.lm_policy import Policy, WorkerCall
 from relayrl.models.policy.tq_worker import SEQ_ERROR_FIELDS, TQPolicyWorker
-from relayrl.models.tq_facade import DataPlaneLeakError, TQFacade, check_meta, check_sample_count, require_written
+from relayrl.models.tq_facade import (
+    DataPlaneLeakError,
+    TQFacade,
+    check_meta,
+    check_sample_count,
+    require_written,
+    validate_facade_args,
+)
 from relayrl.utils.timer import Timer
 
 __all__ = ["DataPlaneLeakError", "TQPolicy"]
@@ -48,19 +59,30 @@ class _LogprobPass(Protocol):
     def __call__(self, worker: TQPolicyWorker, meta: KVBatchMeta, /, micro_batch_size: int | None = None) -> None: ...
 
 
-class TQPolicy(TQFacade[TQPolicyWorker], Policy):
-    """`Policy` whose bulk inputs and per-token outputs live in the data plane (`dp_cfg` = `data_plane:` config).
+class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
+    """A `Policy` driven through the data plane (`dp_cfg` = `data_plane:` config): bulk inputs and per-token outputs
+    live in the store.
 
     The driver bootstraps the store after the workers exist, then every worker attaches with `bootstrap=False`
     (the `memory` backend: the driver's in-process store; `ray`: the named store actor, from any process).
-    Constructed as `TQPolicy(*policy_args, dp_cfg=..., tq_partition_id="train", **policy_kwargs)`.
+    Constructed as `TQPolicy(*policy_args, dp_cfg=..., tq_partition_id="train", **policy_kwargs)`: the arguments
+    of `Policy`, which it builds with `TQPolicyWorker`s and holds as `model`.
     """
 
-    worker_cls: type[TQPolicyWorker] = TQPolicyWorker
     bootstraps_store = True
     train_task = TASK_TRAIN
     train_fields = DP_TRAIN_FIELDS
     train_meta_timers = ("policy_training/shard_meta", "policy_training/submit_training_futures")
+
+    def __init__(
+        self,
+        *args: Any,
+        dp_cfg: DataPlaneConfig | Mapping[str, Any],
+        tq_partition_id: str = TRAIN_PARTITION,
+        **kwargs: Any,
+    ) -> None:
+        parsed = validate_facade_args(dp_cfg, tq_partition_id)  # fail before any model is loaded
+        super().__init__(Policy(*args, worker_cls=TQPolicyWorker, **kwargs), parsed, tq_partition_id)
 
     # ------------------------------------------------------------------ partition lifecycle
     def prepare_step(self, num_samples: int, group_size: int | None = None) -> None:
@@ -84,7 +106,7 @@ class TQPolicy(TQFacade[TQPolicyWorker], Policy):
 
     # ------------------------------------------------------------------ dispatch (the rest: TQFacade)
     def _default_pad_multiple(self) -> int:
-        return self.cfg.make_sequence_length_divisible_by
+        return self.model.cfg.make_sequence_length_divisible_by
 
     def _logprob_dispatch(
         self,
@@ -180,3 +202,70 @@ class TQPolicy(TQFacade[TQPolicyWorker], Policy):
         driver = out.get("data_plane/driver_bytes", 0.0)
         out["data_plane/driver_fraction_of_written"] = driver / written if written else 0.0
         return out
+
+    # ------------------------------------------------------------------ the held Policy (explicit pass-through)
+    @property
+    def has_reference(self) -> bool:
+        return self.model.has_reference
+
+    @property
+    def logprob_batch_size(self) -> int:
+        return self.model.logprob_batch_size
+
+    @property
+    def generation_source(self) -> Any:
+        """Rank 0's worker (local executor only): what a colocated engine reads live weights from."""
+        return self.model.generation_source
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict_for_refit()
+
+    def get_logprobs(self, data: BatchedDataDict, timer: Timer | None = None) -> BatchedDataDict:
+        return self.model.get_logprobs(data, timer)
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None, timer: Timer | None = None
+    ) -> BatchedDataDict:
+        return self.model.get_reference_policy_logprobs(data, micro_batch_size, timer)
+
+    def get_topk_logits(
+        self, data: BatchedDataDict, k: int, micro_batch_size: int | None = None, timer: Timer | None = None
+    ) -> BatchedDataDict:
+        return self.model.get_topk_logits(data, k, micro_batch_size, timer)
+
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]:
+        return self.model.calibrate_qkv_fp8_scales(data, micro_batch_size, percentile, margin, include_q)
+
+    def prepare_for_lp_inference(self) -> None:
+        self.model.prepare_for_lp_inference()
+
+    def offload_before_refit(self) -> None:
+        self.model.offload_before_refit()
+
+    def offload_after_refit(self) -> None:
+        self.model.offload_after_refit()
+
+    def prepare_refit_info(self) -> dict[str, Any] | None:
+        return self.model.prepare_refit_info()
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[WorkerCall[bool]]:
+        return self.model.init_collective(ip, port, world_size, train_world_size=train_world_size)
+
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
+    ) -> list[WorkerCall[bool]]:
+        return self.model.stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales)
+
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[WorkerCall[bool]]:
+        return self.model.broadcast_weights_for_collective(kv_scales)

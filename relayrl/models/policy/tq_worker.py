@@ -8,9 +8,15 @@ metadata and training statistics travel back to the driver.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
+from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import per_sequence_logprob_error
+from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import (
     ADVANTAGES,
@@ -22,7 +28,7 @@ from relayrl.data_plane.schema import (
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.policy.worker import PolicyWorker
-from relayrl.models.worker_base import TQModelWorker
+from relayrl.models.worker_data_plane import WorkerDataPlane
 
 #: Train inputs a step may skip. The legacy trainer then trains on zeros of the shape of `generation_logprobs`,
 #: so a missing one is filled the same way.
@@ -31,23 +37,39 @@ ZERO_FILLED_WHEN_SKIPPED: tuple[str, ...] = (PREV_LOGPROBS, REFERENCE_POLICY_LOG
 SEQ_ERROR_FIELDS: tuple[str, ...] = (TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, GENERATION_LOGPROBS)
 
 
-class TQPolicyWorker(PolicyWorker, TQModelWorker):
-    """One data-parallel rank of a `TQPolicy`. Adds no construction state: attach with `setup_data_plane`."""
+class TQPolicyWorker(PolicyWorker):
+    """One data-parallel rank of a `TQPolicy`: a `PolicyWorker` holding its store connection (`data_plane`, a
+    `WorkerDataPlane`, built on first use; `setup_data_plane` attaches it)."""
+
+    @functools.cached_property
+    def data_plane(self) -> WorkerDataPlane:
+        return WorkerDataPlane(self.cfg, self.tokenizer)
+
+    # ------------------------------------------------------------------ DataPlaneWorker entry points
+    def setup_data_plane(self, cfg: DataPlaneConfig | Mapping[str, Any]) -> None:
+        """Attach to the driver's store (idempotent; the driver built it with `bootstrap=True`)."""
+        self.data_plane.attach(cfg)
+
+    def train_presharded(
+        self, meta: KVBatchMeta, loss_fn: LossFunction, eval_mode: bool, gbs: int, mbs: int
+    ) -> dict[str, Any]:
+        """Fetch this rank's training rows (`meta.fields`, completed by `complete_train_batch`), then `train`."""
+        return self.train(self.data_plane.train_rows(meta, complete_train_batch), loss_fn, eval_mode, gbs, mbs)
+
+    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
+        """This rank's client counters (`data_plane/*`), so the driver can total the bytes every client moved."""
+        return self.data_plane.metrics(reset)
 
     # ------------------------------------------------------------------ logprob-style passes
     def get_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Policy log-probs of this rank's keys, written back as `prev_logprobs`. Returns None."""
-        self._write_back_pass(meta, self.get_logprobs, micro_batch_size, "logprobs", PREV_LOGPROBS)
+        self.data_plane.write_back_pass(meta, self.get_logprobs, micro_batch_size, "logprobs", PREV_LOGPROBS)
 
     def get_reference_policy_logprobs_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Reference-model log-probs of this rank's keys, written back as `reference_policy_logprobs`."""
-        self._write_back_pass(
+        self.data_plane.write_back_pass(
             meta, self.get_reference_policy_logprobs, micro_batch_size, "reference_logprobs", REFERENCE_POLICY_LOGPROBS
         )
-
-    # ------------------------------------------------------------------ training (train_presharded: TQModelWorker)
-    def _complete_train_batch(self, data: BatchedDataDict) -> BatchedDataDict:
-        return complete_train_batch(data)
 
     # ------------------------------------------------------------------ per-row reductions
     def seq_logprob_error_presharded(self, meta: KVBatchMeta) -> dict[str, torch.Tensor]:
@@ -55,7 +77,7 @@ class TQPolicyWorker(PolicyWorker, TQModelWorker):
         floats a row (not three per-token columns) travel to the driver."""
         if meta.size == 0:
             return {"seq_logprob_error": torch.zeros(0), "num_loss_tokens": torch.zeros(0)}
-        data = self._fetch(meta, SEQ_ERROR_FIELDS)
+        data = self.data_plane.fetch(meta, SEQ_ERROR_FIELDS)
         seq_err, num_tokens = per_sequence_logprob_error(
             data[TOKEN_MASK], data[SAMPLE_MASK], data[PREV_LOGPROBS], data[GENERATION_LOGPROBS]
         )

@@ -308,7 +308,7 @@ class PolicyWorker(ModelWorker):
         return BatchedDataDict(topk_logits=values, topk_indices=indices)
 
     # ------------------------------------------------------------------ training (the loop is ModelWorker.train)
-    def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
+    def valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
         return data["token_mask"][:, 1:]  # [b, S-1]: position 0 predicts nothing
 
     def _microbatch_loss(self, loss_fn: LossFunction) -> MicrobatchLoss:
@@ -332,7 +332,7 @@ class PolicyWorker(ModelWorker):
 
         return microbatch_loss
 
-    def _zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
+    def zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
         """0 x the logits of a full HF forward of the training module: touches every parameter, so a DDP/FSDP2 rank
         with nothing to learn from a micro-batch still joins its peers' gradient collectives (zero gradients)."""
         ids = mb["input_ids"]  # [b, S]
@@ -367,7 +367,7 @@ class PolicyWorker(ModelWorker):
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
         device = self._model_device(self.model)
         with fp8_kv.observe_attention_inputs(self.model, observe), self._mode(self.model, False), torch.no_grad():
-            for mb in self._micro_batches(data, mbs, device):
+            for mb in self.micro_batches(data, mbs, device):
                 ids, lengths = mb["input_ids"], mb["input_lengths"].to(device)
                 real["m"] = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # [b, S]
                 with dev.autocast(self.device, self.cfg.precision):

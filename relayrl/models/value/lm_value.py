@@ -65,9 +65,11 @@ class Value(ModelFacade[ValueWorker], ValueInterface):
         tokenizer: PreTrainedTokenizerBase | None,
         *,
         cluster: ClusterConfig | None = None,
+        worker_cls: type[ValueWorker] | None = None,
         **options: Unpack[ModelOptions],
     ) -> None:
-        super().__init__(coerce_value_config(config), tokenizer, cluster, **options)
+        """`worker_cls` replaces `ValueWorker` (a `TQValue` drives its critic with data-plane workers)."""
+        super().__init__(coerce_value_config(config), tokenizer, cluster, worker_cls=worker_cls, **options)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -80,7 +82,7 @@ class Value(ModelFacade[ValueWorker], ValueInterface):
         values = self._row_pass("get_values", data, timer, ValueWorker.get_values, "values", self.value_batch_size)
         return BatchedDataDict(values=values)  # [B, S]
 
-    def _merge_train_results(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+    def merge_results(self, results: list[dict[str, Any]]) -> dict[str, Any]:
         return merge_value_train_results(results)
 
     # ------------------------------------------------------------------ memory phases (plus ModelFacade's)

@@ -6,17 +6,29 @@ the same partition): its workers fetch their DP slice of the keys with `shard_me
 `train_from_meta` returns what `Value.train` returns. Because PPO rows carry more columns than GRPO's, the critic
 also owns the PPO partition schema: `prepare_step` registers every field the step writes and `finish_step` clears
 the step's keys and fails on any key left behind. What it shares with `TQPolicy` is `models.tq_facade.TQFacade`.
+It holds the `Value` it drives (`model`, built with `TQValueWorker`s) and forwards the rest of the value interface to
+it explicitly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from relayrl.algorithms.gae import combine_advantage_stats
+from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS, REWARDS, TOKEN_ALIGNED_FIELDS, TRAIN_CONSUMER_TASKS
+from relayrl.data_plane.schema import (
+    DP_TRAIN_FIELDS,
+    REWARDS,
+    TOKEN_ALIGNED_FIELDS,
+    TRAIN_CONSUMER_TASKS,
+    TRAIN_PARTITION,
+)
+from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.facade_base import timed
-from relayrl.models.tq_facade import TQFacade, check_meta, check_sample_count, require_written
+from relayrl.models.tq_facade import TQFacade, check_meta, check_sample_count, require_written, validate_facade_args
+from relayrl.models.value.interfaces import ValueInterface
 from relayrl.models.value.lm_value import Value
 from relayrl.models.value.tq_worker import (
     ADV_FULL,
@@ -40,19 +52,31 @@ PPO_TRAIN_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, VALUES, RETURNS, REWARDS)
 PPO_CONSUMER_TASKS: tuple[str, ...] = (*TRAIN_CONSUMER_TASKS, TASK_VALUES, TASK_ADVANTAGES, TASK_VALUE_TRAIN)
 
 
-class TQValue(TQFacade[TQValueWorker], Value):
-    """`Value` whose inputs and per-token outputs live in the data plane (`dp_cfg` = `data_plane:` config).
+class TQValue(TQFacade[Value, TQValueWorker], ValueInterface):
+    """A `Value` driven through the data plane (`dp_cfg` = `data_plane:` config): inputs and per-token outputs live
+    in the store.
 
     Build it after the `TQPolicy`: the policy's client bootstraps the store, this one and its workers attach (in
-    the driver: its bytes count as having crossed the driver).
+    the driver: its bytes count as having crossed the driver). Constructed as
+    `TQValue(*value_args, dp_cfg=..., tq_partition_id="train", **value_kwargs)`: the arguments of `Value`, which it
+    builds with `TQValueWorker`s and holds as `model`.
     """
 
-    worker_cls: type[TQValueWorker] = TQValueWorker
     bootstraps_store = False
     train_task = TASK_VALUE_TRAIN
     train_fields = VALUE_TRAIN_FIELDS
     train_meta_timers = (None, "value_training/workers")
     token_fields = TOKEN_ALIGNED_FIELDS | VALUE_TOKEN_FIELDS
+
+    def __init__(
+        self,
+        *args: Any,
+        dp_cfg: DataPlaneConfig | Mapping[str, Any],
+        tq_partition_id: str = TRAIN_PARTITION,
+        **kwargs: Any,
+    ) -> None:
+        parsed = validate_facade_args(dp_cfg, tq_partition_id)  # fail before any model is loaded
+        super().__init__(Value(*args, worker_cls=TQValueWorker, **kwargs), parsed, tq_partition_id)
 
     # ------------------------------------------------------------------ partition lifecycle
     def prepare_step(self, num_samples: int) -> None:
@@ -71,7 +95,7 @@ class TQValue(TQFacade[TQValueWorker], Value):
         shards = self._meta_shards(meta, VALUE_SEED_FIELDS, TASK_VALUES, batch_size=None, stage="logprob_mb_tokens")
         with timed(timer, "get_values/workers"):
             results = self._group.run_sharded(
-                TQValueWorker.get_values_presharded, shards, micro_batch_size or self.value_batch_size
+                TQValueWorker.get_values_presharded, shards, micro_batch_size or self.model.value_batch_size
             )
         require_written(results, "get_values_presharded")
 
@@ -117,3 +141,21 @@ class TQValue(TQFacade[TQValueWorker], Value):
             m.get("data_plane/get/bytes", 0.0) + m.get("data_plane/get_data/bytes", 0.0) for m in workers
         )
         return out
+
+    # ------------------------------------------------------------------ the held Value (explicit pass-through)
+    @property
+    def value_batch_size(self) -> int:
+        return self.model.value_batch_size
+
+    def get_values(self, data: BatchedDataDict, timer: Timer | None = None) -> BatchedDataDict:
+        return self.model.get_values(data, timer)
+
+    def prepare_for_inference(self, *args: Any, **kwargs: Any) -> None:
+        self.model.prepare_for_inference(*args, **kwargs)
+
+    def finish_inference(self, *args: Any, **kwargs: Any) -> None:
+        self.model.finish_inference(*args, **kwargs)
+
+    def offload_to_cpu(self) -> None:
+        """Move weights and optimizer state to the CPU (frees the accelerator for generation)."""
+        self.model.offload_to_cpu()

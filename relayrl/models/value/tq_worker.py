@@ -11,6 +11,8 @@ the store, and it is row-local except for the optional whitening (see `relayrl.a
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 import torch
@@ -23,6 +25,8 @@ from relayrl.algorithms.gae import (
     whiten_with_moments,
     without_normalization,
 )
+from relayrl.algorithms.interfaces import LossFunction
+from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import (
     ADVANTAGES,
@@ -35,7 +39,7 @@ from relayrl.data_plane.schema import (
     TOKEN_MASK,
 )
 from relayrl.models.value.worker import ValueWorker
-from relayrl.models.worker_base import TQModelWorker
+from relayrl.models.worker_data_plane import WorkerDataPlane
 
 VALUES = "values"
 RETURNS = "returns"
@@ -54,13 +58,33 @@ AdvantageEstimator: TypeAlias = GeneralizedAdvantageEstimator | RawRewardAdvanta
 ADV_FULL, ADV_RAW, ADV_WHITEN = "full", "raw", "whiten"
 
 
-class TQValueWorker(ValueWorker, TQModelWorker):
-    """One data-parallel rank of a `TQValue`. Adds no construction state: attach with `setup_data_plane`."""
+class TQValueWorker(ValueWorker):
+    """One data-parallel rank of a `TQValue`: a `ValueWorker` holding its store connection (`data_plane`, a
+    `WorkerDataPlane`, built on first use; `setup_data_plane` attaches it)."""
 
-    # ------------------------------------------------------------------ values (train_presharded: TQModelWorker)
+    @functools.cached_property
+    def data_plane(self) -> WorkerDataPlane:
+        return WorkerDataPlane(self.cfg, self.tokenizer)
+
+    # ------------------------------------------------------------------ DataPlaneWorker entry points
+    def setup_data_plane(self, cfg: DataPlaneConfig | Mapping[str, Any]) -> None:
+        """Attach to the store the policy's driver bootstrapped (idempotent)."""
+        self.data_plane.attach(cfg)
+
+    def train_presharded(
+        self, meta: KVBatchMeta, loss_fn: LossFunction, eval_mode: bool, gbs: int, mbs: int
+    ) -> dict[str, Any]:
+        """Fetch this rank's training rows (`meta.fields`), then run the ordinary `train`; returns its result."""
+        return self.train(self.data_plane.train_rows(meta), loss_fn, eval_mode, gbs, mbs)
+
+    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
+        """This rank's client counters (`data_plane/*`), so the driver can total the bytes every client moved."""
+        return self.data_plane.metrics(reset)
+
+    # ------------------------------------------------------------------ values
     def get_values_presharded(self, meta: KVBatchMeta, micro_batch_size: int | None = None) -> None:
         """Critic values of this rank's keys, written back as the per-token `values` column. Returns None."""
-        self._write_back_pass(meta, self.get_values, micro_batch_size, VALUES, VALUES, VALUE_SEED_FIELDS)
+        self.data_plane.write_back_pass(meta, self.get_values, micro_batch_size, VALUES, VALUES, VALUE_SEED_FIELDS)
 
     # ------------------------------------------------------------------ advantages
     def advantages_presharded(
@@ -86,16 +110,16 @@ class TQValueWorker(ValueWorker, TQModelWorker):
         if mode == ADV_WHITEN:
             if moments is None:
                 raise ValueError("advantages_presharded: mode 'whiten' needs the batch moments")
-            data = self._fetch(meta, (TOKEN_MASK, SAMPLE_MASK, VALUES, RETURNS, ADVANTAGES))
+            data = self.data_plane.fetch(meta, (TOKEN_MASK, SAMPLE_MASK, VALUES, RETURNS, ADVANTAGES))
             mask = data[TOKEN_MASK] * data[SAMPLE_MASK].unsqueeze(-1)  # [n, W]
             advantages = whiten_with_moments(data[ADVANTAGES], mask, moments, estimator)  # [n, W]
-            self._write_back_result_field(meta, ADVANTAGES, advantages, per_token=True)
+            self.data_plane.write_back(meta, ADVANTAGES, advantages, per_token=True)
             return shard_advantage_stats(advantages, data[RETURNS], data[VALUES], mask)
 
         unknown = set(logprob_fields) - {PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS}
         if unknown:
             raise ValueError(f"advantages_presharded: logprob_fields may only name logprob columns, got {unknown}")
-        data = self._fetch(meta, ADVANTAGE_FIELDS + tuple(logprob_fields))
+        data = self.data_plane.fetch(meta, ADVANTAGE_FIELDS + tuple(logprob_fields))
         mask = data[TOKEN_MASK] * data[SAMPLE_MASK].unsqueeze(-1)  # [n, W] as the legacy trainer builds it
         prev_lp = data.get(PREV_LOGPROBS)  # [n, W] | None
         ref_lp = data.get(REFERENCE_POLICY_LOGPROBS)  # [n, W] | None
@@ -110,8 +134,8 @@ class TQValueWorker(ValueWorker, TQModelWorker):
             logprobs_policy=prev_lp,
             logprobs_reference=ref_lp,
         )  # [n, W], [n, W]
-        self._write_back_result_field(meta, ADVANTAGES, advantages, per_token=True)
-        self._write_back_result_field(meta, RETURNS, returns, per_token=True)
+        self.data_plane.write_back(meta, ADVANTAGES, advantages, per_token=True)
+        self.data_plane.write_back(meta, RETURNS, returns, per_token=True)
         if mode == ADV_RAW:
             return {"moments": advantage_moments(advantages, mask).tolist()}
         return shard_advantage_stats(advantages, returns, data[VALUES], mask)

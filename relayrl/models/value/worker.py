@@ -173,7 +173,7 @@ class ValueWorker(ModelWorker):
         return BatchedDataDict(values=out)  # [B, S]
 
     # ------------------------------------------------------------------ training (the loop is ModelWorker.train)
-    def _valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
+    def valid_tokens(self, data: BatchedDataDict) -> torch.Tensor:
         """All S positions: the value loss is not sliced with [:, 1:], so Σ token_mask · sample_mask is the number
         of tokens it actually averages over."""
         return data["token_mask"]  # [b, S]
@@ -181,7 +181,7 @@ class ValueWorker(ModelWorker):
     def _microbatch_loss(self, loss_fn: LossFunction) -> MicrobatchLoss:
         return lambda mb, seqs, toks: loss_fn(self._values(mb, self.dp.train_module), mb, seqs, toks)
 
-    def _zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
+    def zero_loss(self, mb: BatchedDataDict) -> torch.Tensor:
         return self._values(mb, self.dp.train_module).sum() * 0.0
 
     # ------------------------------------------------------------------ memory phases (plus ModelWorker's)

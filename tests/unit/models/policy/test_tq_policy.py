@@ -79,8 +79,9 @@ def test_constructor_attaches_every_worker_and_validates_config(make_policy: Cal
     policy = make_policy(dp=2)
     assert policy.tq_partition_id == "train" and policy.dp_cfg == DP_CFG
     for rank in range(2):
-        worker = policy._group.worker(rank)
-        assert isinstance(worker, TQPolicyWorker) and worker._dp_client is not None
+        worker = policy.worker_group.worker(rank)
+        assert isinstance(worker, TQPolicyWorker) and worker.data_plane.attached
+    assert isinstance(policy.model, Policy) and policy.model.worker_group is policy.worker_group
     with pytest.raises(ValueError, match="disabled"):
         TQPolicy(policy.cfg, policy.tokenizer, dp_cfg={"enabled": False})
     with pytest.raises(ValueError, match="tq_partition_id"):
@@ -138,7 +139,7 @@ def test_dp2_workers_fetch_disjoint_slices_whose_union_is_the_step(
     batch = rollout_like_batch(lengths_for(9, seed=4), len(char_tokenizer), char_tokenizer.pad_token_id)
     meta, _ = seed_step(policy, batch, group_size=1)
     policy.get_logprobs_from_meta(meta)
-    per_rank = policy._group.run_all(TQPolicyWorker.data_plane_metrics)
+    per_rank = policy.worker_group.run_all(TQPolicyWorker.data_plane_metrics)
     fetched = [int(m["data_plane/get/keys"]) for m in per_rank]
     written = [int(m["data_plane/put/keys"]) for m in per_rank]
     shards = shard_meta_for_dp(meta, 2)
