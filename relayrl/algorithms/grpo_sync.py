@@ -88,8 +88,6 @@ def grpo_train_sync(
     if not cfg.data_plane.enabled:
         raise ValueError("grpo_train_sync needs data_plane.enabled=true; use grpo.grpo_train (the legacy trainer)")
     _raise_if_message_level_advantage_penalties_enabled(cfg)
-    if not hasattr(policy, "dp_cfg"):
-        raise ValueError("grpo_train_sync needs a TQPolicy (a policy attached to the data plane)")
     timer = Timer()
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 

@@ -259,8 +259,6 @@ def _check_components(cfg: MasterConfig, policy: DataPlanePolicy, value: DataPla
         raise ValueError(f"ppo_train_sync needs algorithm: ppo, got {cfg.algorithm!r}")
     if not cfg.data_plane.enabled:
         raise ValueError("ppo_train_sync needs data_plane.enabled=true; use ppo.ppo_train (the legacy trainer)")
-    if not hasattr(policy, "dp_cfg") or not hasattr(value, "dp_cfg"):
-        raise ValueError("ppo_train_sync needs a TQPolicy and a TQValue (both attached to the data plane)")
     if value.tq_partition_id != policy.tq_partition_id:
         raise ValueError(
             f"the policy and the critic must share one partition ({policy.tq_partition_id!r} vs "

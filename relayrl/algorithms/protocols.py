@@ -3,7 +3,8 @@
 A trainer names these instead of the concrete classes in `relayrl.models` and `relayrl.experience`, so a reader (and
 mypy) can follow every call from a trainer phase into the component that serves it, and a test can pass any object
 that has the methods. The legacy trainers use `Policy` / `Value`; the data-plane trainers use `DataPlanePolicy` /
-`DataPlaneValue`, whose passes read and write the store by key instead of taking tensors.
+`DataPlaneValue`, whose passes read and write the store by key instead of taking tensors. `setup` builds a
+`BuiltPolicy` / `BuiltDataPlanePolicy`: the trainer's Protocol plus what the set-up itself calls (resume, generation).
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BatchLoader",
+    "BuiltDataPlanePolicy",
+    "BuiltPolicy",
     "Checkpointable",
     "Checkpointer",
+    "ColocatedWeights",
     "DataPlanePolicy",
     "DataPlaneValue",
     "Generation",
     "KvCalibrator",
     "Policy",
+    "Resumable",
     "RolloutActor",
     "Tokenizer",
     "TrainLogger",
@@ -131,6 +136,30 @@ class DataPlanePolicy(Checkpointable, KvCalibrator, Protocol):
         self, reset: bool = False, *, extra: Sequence[Mapping[str, float]] = ()
     ) -> dict[str, float]: ...
     def shutdown(self) -> bool: ...
+
+
+class Resumable(Protocol):
+    """A policy `setup` resumes before any trainer runs: the live weights (and optimizer) from a checkpoint."""
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None: ...
+
+
+class ColocatedWeights(Protocol):
+    """What `setup` reads from the policy to build an in-process generation engine (local executor) over its live
+    weights: rank 0's model (`Any`: a torch module, or its LoRA-merged view) and the device it runs on."""
+
+    @property
+    def generation_source(self) -> Any: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+class BuiltPolicy(Policy, Resumable, ColocatedWeights, Protocol):
+    """The legacy policy as `setup` builds it: what the legacy trainers call, plus the set-up's own calls."""
+
+
+class BuiltDataPlanePolicy(DataPlanePolicy, Resumable, ColocatedWeights, Protocol):
+    """The data-plane policy as `setup` builds it: what the data-plane trainers call, plus the set-up's own calls."""
 
 
 class Value(Checkpointable, Protocol):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from relayrl.algorithms.grpo_sync import GRPOSyncSteps
-from relayrl.algorithms.setup import setup
+from relayrl.algorithms.setup import DataPlaneComponents, setup
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.config import MasterConfig
 from relayrl.data_plane.column_io import first_write
@@ -228,6 +228,7 @@ def replay_run(
             link.symlink_to(source.resolve(), target_is_directory=True)
     c = setup(cfg, out)
     try:
+        assert isinstance(c, DataPlaneComponents)  # replay_config turned the data plane on
         actor = RecordedRollouts(tables, c.policy_generation, cfg)
         timer = Timer()
 

@@ -1,7 +1,9 @@
 """Build everything a run needs from a validated config, resuming from the latest complete checkpoint if any.
 
 One set-up for every trainer: GRPO and PPO, legacy and data-plane, differ here only in the critic (built for PPO
-alone) and in which policy/critic classes carry the tensors (driver-side, or attached to the data plane).
+alone) and in which policy/critic classes carry the tensors (driver-side, or attached to the data plane). The latter
+is the kind of the components: `LegacyComponents` or `DataPlaneComponents`, each typed with its trainers' Protocols,
+so mypy checks that the classes built fit the trainers that take them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -22,7 +24,18 @@ from relayrl.algorithms.preflight import (
     check_task_environments,
     read_chat_template,
 )
-from relayrl.algorithms.protocols import BatchLoader, Generation, Tokenizer
+from relayrl.algorithms.protocols import (
+    BatchLoader,
+    BuiltDataPlanePolicy,
+    BuiltPolicy,
+    ColocatedWeights,
+    DataPlanePolicy,
+    DataPlaneValue,
+    Generation,
+    Policy,
+    Tokenizer,
+    Value,
+)
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import REWARD_FNS_TASK, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
@@ -39,12 +52,18 @@ class SetupError(Exception):
     """User input that made the run impossible to build (bad path, model directory, dataset); one line."""
 
 
-@dataclass
-class RunComponents:
-    """Everything a trainer takes, built once. `value` and `value_loss_fn` exist for PPO only."""
+PolicyT = TypeVar("PolicyT", bound=Policy | DataPlanePolicy)
+ValueT = TypeVar("ValueT", bound=Value | DataPlaneValue)
 
-    policy: Any  # Policy, or TQPolicy on the data plane
-    policy_generation: Any  # HfGeneration, or DistributedGeneration on Ray
+
+@dataclass
+class RunComponents(Generic[PolicyT, ValueT]):
+    """Everything a trainer takes, built once: `LegacyComponents` or `DataPlaneComponents`, for the kind of trainer
+    the config selects. `value` and `value_loss_fn` exist for PPO only. Each kind's `build_*` return the concrete
+    classes as its Protocols, so a class that stops fitting its trainers fails mypy there."""
+
+    policy: PolicyT
+    policy_generation: Generation  # HfGeneration, or DistributedGeneration on Ray
     dataloader: BatchLoader
     val_dataloader: BatchLoader | None
     tokenizer: Tokenizer
@@ -55,7 +74,7 @@ class RunComponents:
     checkpointer: CheckpointManager
     save_state: GRPOSaveState
     resumed_from: Path | None
-    value: Any = None  # Value, or TQValue on the data plane
+    value: ValueT | None = None
     value_loss_fn: LossFunction | None = None
     run_locks: list[DirLock] | None = None  # this run owns its run (and checkpoint) directory while these live
 
@@ -70,6 +89,43 @@ class RunComponents:
             env.shutdown()
         for lock in self.run_locks or ():
             lock.release()
+
+
+class LegacyComponents(RunComponents[Policy, Value]):
+    """For the legacy trainers (`grpo.grpo_train`, `ppo.ppo_train`): every pass takes and returns driver tensors."""
+
+    @staticmethod
+    def build_policy(cfg: MasterConfig, tokenizer: Tokenizer) -> BuiltPolicy:
+        from relayrl.models.policy.lm_policy import Policy as LMPolicy
+
+        return LMPolicy(cfg.policy, tokenizer, **_policy_options(cfg))
+
+    @staticmethod
+    def build_value(cfg: MasterConfig, tokenizer: Tokenizer, last: Path | None) -> Value:
+        from relayrl.models.value.lm_value import Value as LMValue
+
+        return LMValue(cfg.value, tokenizer, **_value_options(cfg, last))
+
+
+class DataPlaneComponents(RunComponents[DataPlanePolicy, DataPlaneValue]):
+    """For the data-plane trainers (`grpo_sync`, `grpo_async`, `ppo_sync`, replay): rollout tensors go through the
+    sample-keyed store, not the driver; the policy bootstraps the store and the critic attaches to it."""
+
+    @staticmethod
+    def build_policy(cfg: MasterConfig, tokenizer: Tokenizer) -> BuiltDataPlanePolicy:
+        from relayrl.models.policy.tq_policy import TQPolicy
+
+        return TQPolicy(cfg.policy, tokenizer, dp_cfg=cfg.data_plane, **_policy_options(cfg))
+
+    @staticmethod
+    def build_value(cfg: MasterConfig, tokenizer: Tokenizer, last: Path | None) -> DataPlaneValue:
+        from relayrl.models.value.tq_value import TQValue
+
+        return TQValue(cfg.value, tokenizer, dp_cfg=cfg.data_plane, **_value_options(cfg, last))
+
+
+#: The kind of components a set-up builds; `_setup` is checked by mypy once for each.
+ComponentsT = TypeVar("ComponentsT", LegacyComponents, DataPlaneComponents)
 
 
 @dataclass
@@ -139,9 +195,9 @@ def start_ray_for_run(cfg: MasterConfig) -> None:
     ensure_ray(c.model_copy(update={"num_nodes": 1, "workers_per_node": ranks}))
 
 
-def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: Any, seed: int) -> Generation:
+def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedWeights, seed: int) -> Generation:
     """The generation engine: in-process over the policy's live weights (local executor), or Ray generation
-    workers kept in sync by refit (Ray executor)."""
+    workers kept in sync by refit (Ray executor; they call the policy's refit methods, which no Protocol names)."""
     if cfg.cluster.executor == "ray":
         from relayrl.models.generation.distributed import DistributedGeneration
 
@@ -166,9 +222,17 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: Any, seed:
     )
 
 
-def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) -> RunComponents:
+def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) -> LegacyComponents | DataPlaneComponents:
     """Seed, build data, policy (and critic for PPO), generation, environments, logger and checkpointer; restore
-    state on resume. `inputs`: rows and reward functions given in Python."""
+    state on resume. `inputs`: rows and reward functions given in Python. `DataPlaneComponents` when
+    `data_plane.enabled`, else `LegacyComponents`."""
+    if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
+        return _setup(DataPlaneComponents, cfg, run_dir, inputs)
+    return _setup(LegacyComponents, cfg, run_dir, inputs)
+
+
+def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None) -> ComponentsT:
+    """`setup` for one kind of components: its classes build the policy and critic, typed with its Protocols."""
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.algorithms.value_loss import MseValueLossFn
     from relayrl.environments.registry import build_environments, build_reward_fn_env
@@ -196,7 +260,7 @@ def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) ->
     if cfg.algorithm == "ppo":
         _check_value_vocabulary(cfg, tokenizer)
     dataloader, val_dataloader = build_dataloaders(cfg, tokenizer, (inputs.train_rows, inputs.val_rows))
-    task_names = _task_names(dataloader, val_dataloader)
+    task_names: list[str] = _task_names(dataloader, val_dataloader)  # annotated: mypy re-checks the body per kind
     check_task_environments([cfg.data.train.default_task, *task_names])
     if reward_env is None and REWARD_FNS_TASK in task_names:
         raise ValueError(
@@ -216,7 +280,7 @@ def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) ->
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
     try:
-        policy = _build_policy(cfg, tokenizer)
+        policy = kind.build_policy(cfg, tokenizer)
     except Exception as exc:
         if (err := _weights_error("policy.model_name", cfg.policy.model_name, exc)) is exc:
             raise
@@ -230,7 +294,7 @@ def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) ->
         dataloader.load_state_dict(loader_state)
     value = None
     try:
-        value = _build_value(cfg, tokenizer, last) if cfg.algorithm == "ppo" else None
+        value = kind.build_value(cfg, tokenizer, last) if cfg.algorithm == "ppo" else None
         policy_generation = build_generation(cfg, tokenizer, policy, cfg.rollout.seed)
     except BaseException:
         if value is not None:
@@ -255,7 +319,7 @@ def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) ->
         if "kv_scales" in rng_state:  # FP8 KV cache: the scales calibrated after the checkpointed step
             policy_generation.set_kv_scales(rng_state["kv_scales"])
         logger.print_message(f"Resumed from {last} (step {save_state.total_steps})")
-    return RunComponents(
+    return kind(
         policy=policy,
         policy_generation=policy_generation,
         dataloader=dataloader,
@@ -305,29 +369,19 @@ def _check_lora_checkpoint(cfg: MasterConfig, last: Path) -> None:
         )
 
 
-def _build_policy(cfg: MasterConfig, tokenizer: Tokenizer) -> Any:
-    """The policy, attached to the data plane (which it bootstraps) when enabled. Its scheduler's horizon counts
-    `train()` calls: one per GRPO step; PPO's `ppo_epochs` per step once the critic warm-up is over."""
-    from relayrl.models.policy.lm_policy import Policy
-
+def _policy_options(cfg: MasterConfig) -> dict[str, Any]:
+    """The policy's keyword arguments beside its config. Its scheduler's horizon counts `train()` calls: one per
+    GRPO step; PPO's `ppo_epochs` per step once the critic warm-up is over."""
     horizon = cfg.rollout.max_num_steps
     if cfg.algorithm == "ppo":
         p = cfg.ppo
         horizon = max(1, (p.max_num_steps - p.policy_training_start_step) * p.ppo_epochs)
-    kwargs: dict[str, Any] = dict(
-        cluster=cfg.cluster, init_reference_model=cfg.reference_model_needed, max_num_steps=horizon
-    )
-    if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
-        from relayrl.models.policy.tq_policy import TQPolicy
-
-        return TQPolicy(cfg.policy, tokenizer, dp_cfg=cfg.data_plane, **kwargs)
-    return Policy(cfg.policy, tokenizer, **kwargs)
+    return dict(cluster=cfg.cluster, init_reference_model=cfg.reference_model_needed, max_num_steps=horizon)
 
 
-def _build_value(cfg: MasterConfig, tokenizer: Tokenizer, last: Path | None) -> Any:
-    """PPO's critic, restored with its optimizer and scheduler from `step_N/value/` on resume."""
-    from relayrl.models.value.lm_value import Value
-
+def _value_options(cfg: MasterConfig, last: Path | None) -> dict[str, Any]:
+    """PPO's critic's keyword arguments beside its config: restored with its optimizer and scheduler from
+    `step_N/value/` on resume."""
     weights = optimizer = None
     if last is not None:
         if not (last / "value" / "weights").is_dir():
@@ -336,17 +390,12 @@ def _build_value(cfg: MasterConfig, tokenizer: Tokenizer, last: Path | None) -> 
         if (last / "value" / "optimizer").is_dir():
             optimizer = str(last / "value" / "optimizer")
     p = cfg.ppo
-    kwargs: dict[str, Any] = dict(
+    return dict(
         cluster=cfg.cluster,
         weights_path=weights,
         optimizer_path=optimizer,
         max_num_steps=p.max_num_steps * p.ppo_epochs,
     )
-    if cfg.data_plane.enabled:  # attaches to the store the policy bootstrapped
-        from relayrl.models.value.tq_value import TQValue
-
-        return TQValue(cfg.value, tokenizer, dp_cfg=cfg.data_plane, **kwargs)
-    return Value(cfg.value, tokenizer, **kwargs)
 
 
 def _check_value_vocabulary(cfg: MasterConfig, tokenizer: Tokenizer) -> None:
@@ -404,28 +453,38 @@ def run_training(
     return summarize_run(run_dir)
 
 
-def train_components(cfg: MasterConfig, c: RunComponents) -> None:
-    """The trainer `cfg` selects: GRPO or PPO, through the data plane or the driver."""
+def train_components(cfg: MasterConfig, c: LegacyComponents | DataPlaneComponents) -> None:
+    """The trainer `cfg` selects: GRPO or PPO, through the data plane (`DataPlaneComponents`) or the driver."""
     envs, val_envs, loader, val_loader = c.task_to_env, c.val_task_to_env, c.dataloader, c.val_dataloader
     if cfg.algorithm == "ppo":
         from relayrl.algorithms.ppo import ppo_train
         from relayrl.algorithms.ppo_sync import ppo_train_sync
 
-        ppo = ppo_train_sync if cfg.data_plane.enabled else ppo_train
         assert c.value is not None and c.value_loss_fn is not None
-        ppo(
-            c.policy, c.policy_generation, c.value, loader, val_loader, c.tokenizer, c.loss_fn, c.value_loss_fn,
-            envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
-        )  # fmt: skip
+        if isinstance(c, DataPlaneComponents):
+            ppo_train_sync(
+                c.policy, c.policy_generation, c.value, loader, val_loader, c.tokenizer, c.loss_fn, c.value_loss_fn,
+                envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
+            )  # fmt: skip
+        else:
+            ppo_train(
+                c.policy, c.policy_generation, c.value, loader, val_loader, c.tokenizer, c.loss_fn, c.value_loss_fn,
+                envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
+            )  # fmt: skip
         return
     from relayrl.algorithms.grpo import grpo_train
     from relayrl.algorithms.grpo_async import grpo_train_async
     from relayrl.algorithms.grpo_sync import grpo_train_sync
 
-    grpo = grpo_train_sync if cfg.data_plane.enabled else grpo_train
-    if cfg.grpo.async_grpo.enabled:  # the config refused async without the data plane
-        grpo = grpo_train_async
-    grpo(
+    if isinstance(c, DataPlaneComponents):
+        grpo = grpo_train_async if cfg.grpo.async_grpo.enabled else grpo_train_sync
+        grpo(
+            c.policy, c.policy_generation, loader, val_loader, c.tokenizer, c.loss_fn,
+            envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
+        )  # fmt: skip
+        return
+    # the config refused async without the data plane
+    grpo_train(
         c.policy, c.policy_generation, loader, val_loader, c.tokenizer, c.loss_fn,
         envs, val_envs, c.logger, c.checkpointer, c.save_state, cfg,
     )  # fmt: skip

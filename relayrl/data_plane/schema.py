@@ -5,8 +5,6 @@ Keeping them in one place means a typo is an import error, not a silently missin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 # ---------------------------------------------------------------------------------------------------- fields
 INPUT_IDS = "input_ids"
 INPUT_LENGTHS = "input_lengths"
@@ -73,14 +71,6 @@ TRAIN_CONSUMER_TASKS: tuple[str, ...] = (TASK_PREV_LP, TASK_REF_LP, TASK_TRAIN)
 def sample_key(uid: str, generation: int) -> str:
     """The key of generation `generation` of prompt `uid`; minted once at rollout and reused by every stage."""
     return f"{uid}_g{generation}"
-
-
-def fields_with_optional_routed_experts(fields: Sequence[str], *, enabled: bool) -> list[str]:
-    """`fields` as a list, plus `routed_experts` at the end when router replay is on (no duplicate)."""
-    out = list(fields)
-    if enabled and ROUTED_EXPERTS not in out:
-        out.append(ROUTED_EXPERTS)
-    return out
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -37,7 +37,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite float8 e4m3fn value.
 FP8_E4M3_MAX = 448.0
 _NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.q|k|v)_scale$")
-_WHICH = re.compile(r"\.(?:attn\.)?([qkv])_scale$")
 
 #: What an attention call shows the calibration running in this thread / task: (attention module, q, k, v).
 Observer = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -89,14 +88,6 @@ def kv_cache_scales(scales: Mapping[str, float], num_layers: int) -> list[tuple[
     if extra:
         raise ValueError(f"kv_scales names layer {extra[0]!r} but the model has {num_layers} layers")
     return out
-
-
-def which_of(name: str) -> str:
-    """'q', 'k' or 'v' of a scale name."""
-    match = _WHICH.search(name)
-    if match is None:
-        raise ValueError(f"not a q/k/v scale name: {name!r}")
-    return match.group(1)
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:

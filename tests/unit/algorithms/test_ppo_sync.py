@@ -3,6 +3,8 @@ logprob columns GAE reads, and the inputs the trainer refuses."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -80,5 +82,6 @@ def test_refuses_misconfigured_runs() -> None:
     with pytest.raises(ValueError, match="data_plane.enabled=true"):
         ppo_train_sync(*args, cfg)
     on = MasterConfig.model_validate({"algorithm": "ppo", "data_plane": {"enabled": True}})
-    with pytest.raises(ValueError, match="TQPolicy and a TQValue"):
-        ppo_train_sync(*args, on)
+    policy, value = SimpleNamespace(tq_partition_id="train"), SimpleNamespace(tq_partition_id="critic")
+    with pytest.raises(ValueError, match="must share one partition"):
+        ppo_train_sync(policy, args[0], value, *args[3:], on)
