@@ -245,7 +245,9 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
         margin: float = 1.05,
         include_q: bool = False,
     ) -> dict[str, Any]:
-        return self.model.calibrate_qkv_fp8_scales(data, micro_batch_size, percentile, margin, include_q)
+        return self.model.calibrate_qkv_fp8_scales(
+            data, micro_batch_size=micro_batch_size, percentile=percentile, margin=margin, include_q=include_q
+        )
 
     def prepare_for_lp_inference(self) -> None:
         self.model.prepare_for_lp_inference()
