@@ -222,13 +222,12 @@ class GRPOSyncSteps:
                 # a new training step: byte counters start here (validation traffic is not the step's)
                 policy.data_plane_metrics(reset=True, extra=[self.actor.data_plane_metrics(reset=True)])
                 policy.prepare_step(num_samples=g.rows_per_step, group_size=g.num_generations_per_prompt)
-            meta, wire_carry, rollout_metrics, _ = self.actor.rollout_to_tq(
+            meta, wire_carry, rollout_metrics = self.actor.rollout_to_tq(
                 repeated,
                 partition_id=policy.tq_partition_id,
                 group_size=g.num_generations_per_prompt,
                 first_iter=self.num_gen_batches == 1,
                 carry_keys=self.carry_keys,
-                wire=True,
                 text_rows=self.cfg.logger.num_train_samples_to_log,
             )
             self.carry_bytes += wire_nbytes(wire_carry)  # what crossed to the driver: its smallest exact form

@@ -224,12 +224,11 @@ class PPOSyncSteps:
         with self.timer.time("generation"):
             _reset_byte_counters(self.policy, self.value, self.actor)  # validation traffic is not the step's
             self.value.prepare_step(p.rows_per_step)  # the PPO schema: GRPO's fields plus values, returns, rewards
-            meta, wire_carry, rollout_metrics, _ = self.actor.rollout_to_tq(
+            meta, wire_carry, rollout_metrics = self.actor.rollout_to_tq(
                 repeated,
                 partition_id=self.value.tq_partition_id,
                 group_size=p.num_generations_per_prompt,
                 carry_keys=self.carry_keys,
-                wire=True,
                 text_rows=self.cfg.logger.num_train_samples_to_log,
             )
             # what crossed to the driver is the carry's smallest exact form; decoded, dtypes as the legacy trainer's

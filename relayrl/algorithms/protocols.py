@@ -172,7 +172,8 @@ class DataPlaneValue(Checkpointable, Protocol):
 
 
 class RolloutActor(Protocol):
-    """Rolls a batch out, scores it and writes its bulk into the store; returns the handle and a small carry."""
+    """Rolls a batch out, scores it and writes its bulk into the store; returns the handle, a small per-row carry in
+    its wire form (`carry_wire.decode_carry` gives the values) and the rollout metrics."""
 
     def rollout_to_tq(
         self,
@@ -185,10 +186,9 @@ class RolloutActor(Protocol):
         task_to_env_override: dict[str, EnvironmentInterface] | None = ...,
         carry_keys: Sequence[str] | None = ...,
         greedy: bool = ...,
-        wire: bool = ...,
         text_rows: int | None = ...,
         row_tags: Mapping[str, Any] | None = ...,
-    ) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], dict[str, float]]: ...
+    ) -> tuple[KVBatchMeta, dict[str, Any], dict[str, float]]: ...
     def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str: ...
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]: ...
     def shutdown(self) -> bool: ...

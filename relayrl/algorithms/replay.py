@@ -111,10 +111,9 @@ class RecordedRollouts:
         first_iter: bool = True,
         finish_generation: bool = True,
         carry_keys: Sequence[str] | None = None,
-        wire: bool = False,
         text_rows: int | None = None,
         **_: Any,
-    ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
+    ) -> tuple[KVBatchMeta, dict[str, Any], dict[str, Any]]:
         table = self.tables.pop(0)
         keys = table.column("sample_key").to_pylist()
         rollout_metrics = dict(table_info(table).get("rollout_metrics", {}))
@@ -142,7 +141,7 @@ class RecordedRollouts:
         assert token_mask.lengths is not None  # per-token: recorded jagged
         counts = torch.stack([row.sum() for row in token_mask.values.split(token_mask.lengths.tolist())])  # [B]
         carry = self._carry(table, loss_multiplier, counts, carry_keys, text_rows)
-        return meta, encode_carry(carry, group_size) if wire else carry, rollout_metrics, {}
+        return meta, encode_carry(carry, group_size), rollout_metrics
 
     @staticmethod
     def _carry(
