@@ -18,6 +18,10 @@ imports added (modules that need each other, one of them importing late to dodge
 `a.b.c` is an edge to a.b.c only (not to the packages a, a.b whose __init__ also runs). A third rule: no module
 imports another module's private (underscore) name. `relayrl/__init__.py` is exempt. A new top-level package must be
 given a layer here (an unclassified module is an error). Each violation prints as `importer -> imported (line N)`.
+
+One rule is about classes, not imports (issue 25): no class in relayrl/algorithms subclasses another relayrl/algorithms
+class. A trainer varies by what it is given (a `RolloutSource`, a loss, an estimator), never by overriding another
+trainer's private hooks; Protocols, which only compose interfaces, are exempt.
 """
 
 from __future__ import annotations
@@ -220,6 +224,57 @@ def private_imports(imports: Iterable[Import]) -> list[Import]:
     )
 
 
+def _is_protocol(node: ast.ClassDef) -> bool:
+    return any((isinstance(b, ast.Name) and b.id == "Protocol") or (isinstance(b, ast.Attribute) and b.attr == "Protocol")
+               for b in node.bases)  # fmt: skip
+
+
+def algorithms_subclasses(root: Path = ROOT, package: str = PACKAGE) -> list[str]:
+    """Classes of relayrl.algorithms modules with a base class defined in a relayrl.algorithms module (Protocols
+    excepted), each as `module.Class (line N) subclasses module.Base`. A base is found by its name: a class of the
+    same module, one imported by `from ... import Name`, or `module.Name` for an imported module."""
+    known = module_names(root, package)
+    prefix = f"{package}.algorithms"
+    modules = {m: p for m, p in known.items() if m == prefix or m.startswith(prefix + ".")}
+    trees = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in modules.items()}
+    classes = {m: {n.name for n in t.body if isinstance(n, ast.ClassDef)} for m, t in trees.items()}
+    bad = []
+    for module, tree in trees.items():
+        names = {c: f"{module}.{c}" for c in classes[module]}  # a name in this module -> the algorithms class it is
+        aliases: dict[str, str] = {}  # a name bound to an algorithms module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                is_package = modules[module].name == "__init__.py"
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)] if node.level else []
+                base = ".".join(parts + ([node.module] if node.module else [])) if node.level else node.module or ""
+                for alias in node.names:
+                    bound = alias.asname or alias.name
+                    if f"{base}.{alias.name}" in classes:
+                        aliases[bound] = f"{base}.{alias.name}"
+                    elif alias.name in classes.get(base, ()):
+                        names[bound] = f"{base}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in classes and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or _is_protocol(node):
+                continue
+            for b in node.bases:
+                b = b.value if isinstance(b, ast.Subscript) else b  # Generic-style `Base[T]`
+                found = None
+                if isinstance(b, ast.Name):
+                    found = names.get(b.id)
+                elif isinstance(b, ast.Attribute):
+                    owner = ast.unparse(b.value)
+                    owner = aliases.get(owner, owner)
+                    found = f"{owner}.{b.attr}" if b.attr in classes.get(owner, ()) else None
+                if found is not None:
+                    bad.append(f"{module}.{node.name} (line {node.lineno}) subclasses {found}")
+    return sorted(bad)
+
+
 def import_cycles(imports: Iterable[Import], deferred: bool = False) -> list[list[Import]]:
     """One shortest cycle (as its edges) per strongly connected group of modules that import each other.
 
@@ -346,6 +401,13 @@ def test_no_private_names_imported_across_modules() -> None:
     assert not bad, report("private names imported from another module (importer -> imported)", lines)
 
 
+def test_no_algorithms_class_subclasses_another() -> None:
+    """A trainer is configured by what it is given (its `RolloutSource`: generated, produced ahead, recorded), so
+    asynchronous GRPO is `GRPOSyncSteps` with a `ProducerSource`, not a subclass overriding its private hooks."""
+    bad = algorithms_subclasses()
+    assert not bad, report("relayrl.algorithms classes subclassing another (give it a seam instead)", bad)
+
+
 # --------------------------------------------------------------------------------------------- the checker itself
 
 
@@ -413,6 +475,40 @@ def test_checker_reports_upward_imports_math_imports_cycles_and_private_names(tm
     # an unclassified top-level package is reported, not silently accepted
     write_tree(tmp_path, {"newpkg/x.py": ""})
     assert unclassified_modules(pkg) == ["relayrl.newpkg", "relayrl.newpkg.x"]
+
+
+def test_checker_reports_algorithms_subclasses(tmp_path: Path) -> None:
+    """The shape the asynchronous trainer had (a steps class subclassing the sync one) fails, however the base is
+    named; Protocols composing Protocols, and classes deriving from outside relayrl.algorithms, pass."""
+    pkg = write_tree(
+        tmp_path,
+        {
+            "algorithms/grpo_sync.py": "class GRPOSyncSteps:\n    pass\n\n\nclass Local(GRPOSyncSteps):\n    pass\n",
+            "algorithms/grpo_async.py": (
+                "from relayrl.algorithms.grpo_sync import GRPOSyncSteps\n\n\n"
+                "class GRPOAsyncSteps(GRPOSyncSteps):\n    pass\n"
+            ),
+            "algorithms/replay.py": (
+                "from relayrl.algorithms import grpo_sync as gs\nimport relayrl.algorithms.ppo as ppo_module\n"
+                "from .ppo import PPOSteps as Base\n\n\n"
+                "class Replay(gs.GRPOSyncSteps):\n    pass\n\n\nclass PPOReplay(ppo_module.PPOSteps):\n    pass\n\n\n"
+                "class Aliased(Base):\n    pass\n"
+            ),
+            "algorithms/ppo.py": "class PPOSteps:\n    pass\n",
+            "algorithms/protocols.py": (
+                "from typing import Protocol\n\n\nclass A(Protocol):\n    pass\n\n\nclass B(A, Protocol):\n    pass\n"
+            ),
+            "algorithms/errors.py": "import enum\n\n\nclass E(RuntimeError):\n    pass\n\n\nclass K(enum.Enum):\n    A = 1\n",
+            "models/policy.py": "from relayrl.algorithms.ppo import PPOSteps\n\n\nclass Outside(PPOSteps):\n    pass\n",
+        },
+    )
+    assert algorithms_subclasses(pkg) == [
+        "relayrl.algorithms.grpo_async.GRPOAsyncSteps (line 4) subclasses relayrl.algorithms.grpo_sync.GRPOSyncSteps",
+        "relayrl.algorithms.grpo_sync.Local (line 5) subclasses relayrl.algorithms.grpo_sync.GRPOSyncSteps",
+        "relayrl.algorithms.replay.Aliased (line 14) subclasses relayrl.algorithms.ppo.PPOSteps",
+        "relayrl.algorithms.replay.PPOReplay (line 10) subclasses relayrl.algorithms.ppo.PPOSteps",
+        "relayrl.algorithms.replay.Replay (line 6) subclasses relayrl.algorithms.grpo_sync.GRPOSyncSteps",
+    ]
 
 
 @pytest.mark.parametrize(

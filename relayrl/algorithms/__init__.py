@@ -10,6 +10,9 @@ Trainers (may import everything below them: models, experience, environments, da
 config; never `relayrl.cli`): `runner` (the one outer loop and step tail), `validation`, `setup` (one set-up for
 every trainer), `protocols` (the seams a trainer calls), `trainer_common` (step pieces the trainers share), and the
 trainers themselves, each holding only its step phases: `grpo` / `grpo_sync` and `ppo` / `ppo_sync` (legacy and
-data-plane, side by side); `recording` (the flight recorder's trainer side); `evaluate`, `parity` and `replay`
-serve the CLI.
+data-plane, side by side; `dynamic_sampling` is `grpo_sync`'s filter on metadata). A data-plane trainer takes its
+rows from a `protocols.RolloutSource`: `rollout_sources` (`ActorSource`, generated for the step),
+`producer_source` (`ProducerSource`, made ahead by asynchronous GRPO's producer: `grpo_async` builds it,
+`async_rollouts` and `async_state` run and checkpoint the producer) or `replay` (`RecordedSource`). `recording` is the
+flight recorder's trainer side; `evaluate`, `parity` and `replay` serve the CLI.
 """

@@ -329,13 +329,12 @@ class RolloutProducer:
         self.actor.data_plane_metrics(reset=True)
         repeated = batch.repeat_interleave(self.group_size)
         self.engine.prepare_for_generation()
-        meta, wire_carry, rollout_metrics, _ = self.actor.rollout_to_tq(
+        meta, wire_carry, rollout_metrics = self.actor.rollout_to_tq(
             repeated,
             partition_id=partition,
             group_size=self.group_size,
             first_iter=True,
             carry_keys=self.carry_keys,
-            wire=True,
             text_rows=self.cfg.logger.num_train_samples_to_log,
             row_tags={"weight_version": version},
         )

@@ -7,6 +7,10 @@ and log identical metrics. What differs is only where data lives:
 - logprob and training dispatches hand each data-parallel worker a slice of the keys; workers fetch their rows and
   write per-token results (`prev_logprobs`, `reference_policy_logprobs`) back under the same keys;
 - the driver writes per-row columns (`advantages`, `sample_mask`) and clears every key at the end of the step.
+Where the rows come from is `GRPOSyncSteps`'s `RolloutSource`, so this one class is every data-plane GRPO trainer:
+the rollout actor generating for the step (`rollout_sources.ActorSource`, here), the asynchronous producer's batch
+made ahead (`producer_source.ProducerSource`, `grpo_async`), or a flight recording (`replay.RecordedSource`).
+Dynamic sampling filters on metadata across generation batches (`dynamic_sampling`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,21 @@ from relayrl.algorithms.advantages import (
     message_level_advantage_keys,
     row_advantage_metrics,
 )
+from relayrl.algorithms.dynamic_sampling import apply_dynamic_sampling
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
-from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
+from relayrl.algorithms.protocols import (
+    BatchLoader,
+    DataPlanePolicy,
+    Generation,
+    RolloutActor,
+    RolloutSource,
+    Tokenizer,
+)
 from relayrl.algorithms.recording import TIMER as RECORD_TIMER
 from relayrl.algorithms.recording import StepRecorder
 from relayrl.algorithms.reward_functions import post_process_rewards
+from relayrl.algorithms.rollout_sources import ActorSource, RolloutSpec, StepStart
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
     KvScaleSync,
@@ -49,8 +62,6 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.experience.carry_wire import decode_carry, wire_nbytes
-from relayrl.experience.flight_recorder import RecordRequest
 from relayrl.experience.ray_rollout import rollout_actor_cls  # SyncRolloutActor, or a Ray actor on Ray
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
@@ -61,6 +72,8 @@ __all__ = [
     "_apply_dynamic_sampling",
     "_compute_seq_logprob_error_metrics",
     "_raise_if_message_level_advantage_penalties_enabled",
+    "grpo_rollout_spec",
+    "grpo_step_start",
     "grpo_train_sync",
     "raise_if_message_level_advantage_penalties_enabled",
     "validate_sync",
@@ -93,19 +106,44 @@ def grpo_train_sync(
 
     validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
     kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)
-    steps = GRPOSyncSteps(policy, policy_generation, actor, loss_fn, logger, cfg, timer, validate_at, kv_sync)
+    source = ActorSource(
+        actor, policy_generation, kv_sync, timer, grpo_rollout_spec(cfg, policy), grpo_step_start(policy, cfg)
+    )
+    steps = GRPOSyncSteps(policy, policy_generation, source, loss_fn, logger, cfg, timer, validate_at, kv_sync)
     parts = LoopParts(cfg, grpo_save_state, timer, wrapped_dataloader, policy, policy_generation, checkpointer, logger)
     return run_loop(steps, parts)
 
 
+def grpo_rollout_spec(cfg: MasterConfig, policy: DataPlanePolicy) -> RolloutSpec:
+    """A GRPO step's rows: the policy's partition, G per prompt, the carry its phases read."""
+    g = cfg.grpo
+    carry_keys = rollout_carry_keys(_CARRY, g.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
+    return RolloutSpec(
+        policy.tq_partition_id, g.num_generations_per_prompt, carry_keys, cfg.logger.num_train_samples_to_log
+    )
+
+
+def grpo_step_start(policy: DataPlanePolicy, cfg: MasterConfig) -> StepStart:
+    """Before a GRPO step's first rows reach the store: the policy's byte counters start over (with the rollout
+    side's) and its partition is prepared for the step's rows."""
+    g = cfg.grpo
+
+    def start(rollout_counters: dict[str, float]) -> None:
+        policy.data_plane_metrics(reset=True, extra=[rollout_counters])
+        policy.prepare_step(num_samples=g.rows_per_step, group_size=g.num_generations_per_prompt)
+
+    return start
+
+
 class GRPOSyncSteps:
-    """The data-plane GRPO step: each phase a method under its timer, phase for phase with `grpo.GRPOSteps`."""
+    """The data-plane GRPO step: each phase a method under its timer, phase for phase with `grpo.GRPOSteps`. Its
+    rows come from a `RolloutSource` (generated for the step, made ahead by the async producer, or recorded)."""
 
     def __init__(
         self,
         policy: DataPlanePolicy,
         policy_generation: Generation,
-        rollout_actor: RolloutActor,
+        source: RolloutSource,
         loss_fn: LossFunction,
         logger: Logger,
         cfg: MasterConfig,
@@ -113,17 +151,13 @@ class GRPOSyncSteps:
         validate_at: Callable[[int], ValidationResult],
         kv_sync: KvScaleSync,
     ) -> None:
-        self.policy, self.generation, self.actor, self.loss_fn = policy, policy_generation, rollout_actor, loss_fn
+        self.policy, self.generation, self.source, self.loss_fn = policy, policy_generation, source, loss_fn
         self.kv_sync = kv_sync
         self.logger, self.cfg, self.g, self.timer = logger, cfg, cfg.grpo, timer
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
         self.train_fields = _train_fields_for_step(self.skip_prev, self.skip_ref)
-        self.reference_in_step = True  # False when the rollout side already wrote them (the async producer)
-        self.carry_keys = rollout_carry_keys(
-            _CARRY, cfg.grpo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
-        )
-        self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
+        self._validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
         self.recorder = StepRecorder(cfg, logger.run_dir, "data_plane")
         # dynamic sampling collects groups (their keys stay in the store) across generation batches
         self.pending_meta: KVBatchMeta | None = None
@@ -132,12 +166,20 @@ class GRPOSyncSteps:
         self.num_gen_batches, self.carry_bytes = 0, 0
 
     def close(self) -> None:
-        self.actor.shutdown()
+        self.source.close()
+
+    def validate(self, step: int) -> dict[str, float]:
+        with self.source.validating():
+            return self._validate(step)
 
     def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
         timer, g = self.timer, self.g
         self.num_gen_batches += 1
-        meta, carry, rollout_metrics = self._generate(batch)
+        rollout = self.source.next(
+            batch, step, first_batch=self.num_gen_batches == 1, step_starts=self.pending_meta is None
+        )
+        self.carry_bytes += rollout.carry_bytes  # what crossed to the driver: the carry's smallest exact form
+        meta, carry, rollout_metrics = rollout.meta, rollout.carry, rollout.metrics
         carry["total_reward"], drop = guard_rewards(carry["total_reward"], g.num_generations_per_prompt, self.cfg, step)
         if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
             carry["non_finite_drop"] = drop
@@ -160,7 +202,7 @@ class GRPOSyncSteps:
                 self.policy.prepare_for_lp_inference()
             if not self.skip_prev:
                 self.policy.get_logprobs_from_meta(meta, timer=timer)
-            if not self.skip_ref and self.reference_in_step:
+            if not self.skip_ref and not rollout.reference_in_store:
                 self.policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
         seq_err_metrics: dict[str, float] = {}
         if not self.skip_prev:  # reduced per row on the workers: [B] floats reach the driver, not [B, S] columns
@@ -184,7 +226,7 @@ class GRPOSyncSteps:
                 request = self.recorder.request(
                     step, self.train_fields, cols, self.recorder.info(step, rollout_metrics)
                 )
-                self._record(meta, request)
+                self.source.record(meta, request)
         self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
         metrics = step_metrics(
             train_results=train_results,
@@ -201,37 +243,9 @@ class GRPOSyncSteps:
         if "non_finite_drop" in carry:
             metrics["non_finite_samples_skipped"] = float(carry["non_finite_drop"].sum())
         self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
-        return StepOutput(metrics, carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log))
-
-    def _record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
-        """The flight recorder's file of this step, written by the actor that holds its rows."""
-        self.actor.record_step(meta, request)
-
-    def _generate(self, batch: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float]]:
-        """One actor call rolls out, scores, flattens and writes the bulk to the store; the carry comes back."""
-        g, policy = self.g, self.policy
-        with self.timer.time("data_processing"):  # repeat prompts G times (the actor flattens prompts into group ids)
-            repeated = batch.repeat_interleave(g.num_generations_per_prompt)
-        self.kv_sync.before_first_refit(repeated)
-        with self.timer.time("prepare_for_generation/total"):
-            self.generation.prepare_for_generation()
-        with self.timer.time("generation"):
-            if self.pending_meta is None:
-                # a new training step: byte counters start here (validation traffic is not the step's)
-                policy.data_plane_metrics(reset=True, extra=[self.actor.data_plane_metrics(reset=True)])
-                policy.prepare_step(num_samples=g.rows_per_step, group_size=g.num_generations_per_prompt)
-            meta, wire_carry, rollout_metrics, _ = self.actor.rollout_to_tq(
-                repeated,
-                partition_id=policy.tq_partition_id,
-                group_size=g.num_generations_per_prompt,
-                first_iter=self.num_gen_batches == 1,
-                carry_keys=self.carry_keys,
-                wire=True,
-                text_rows=self.cfg.logger.num_train_samples_to_log,
-            )
-            self.carry_bytes += wire_nbytes(wire_carry)  # what crossed to the driver: its smallest exact form
-            carry = decode_carry(wire_carry)  # per-row values, dtypes as the legacy trainer's
-        return meta, carry, rollout_metrics
+        samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
+        metrics.update(self.source.after_step(step))  # async: weights published, the batch's partition retired
+        return StepOutput(metrics, samples)
 
     def _rewards(self, meta: KVBatchMeta, carry: BatchedDataDict) -> torch.Tensor:
         """Scaling/shaping, then the per-prompt baseline and std, stamped on the handle's tags. Returns rewards [B]."""
@@ -259,7 +273,7 @@ class GRPOSyncSteps:
     ) -> tuple[KVBatchMeta, BatchedDataDict, torch.Tensor, dict[str, float]] | None:
         """One dynamic-sampling iteration; the training batch once enough groups survived, else None."""
         self.pending_meta, self.pending_carry, self.pending_rewards, complete, ds_metrics, unfiltered = (
-            _apply_dynamic_sampling(
+            apply_dynamic_sampling(
                 meta=meta,
                 driver_carry=carry,
                 pending_meta=self.pending_meta,
@@ -325,17 +339,13 @@ class GRPOSyncSteps:
 
     def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> None:
         """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle."""
-        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self._rollout_store_metrics()])
+        dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self.source.store_metrics()])
         metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + self.carry_bytes)
         metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
         metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(metrics["store_bytes_written"], 1.0)
         # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
         metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
         self.logger.log_metrics(dp_metrics, step)
-
-    def _rollout_store_metrics(self) -> dict[str, float]:
-        """The rollout's store counters since the step began (the actor's client: it wrote the bulk)."""
-        return self.actor.data_plane_metrics(reset=True)
 
 
 def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
@@ -354,6 +364,7 @@ def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConf
 _raise_if_message_level_advantage_penalties_enabled = (
     raise_if_message_level_advantage_penalties_enabled  # reference name
 )
+_apply_dynamic_sampling = apply_dynamic_sampling  # reference name
 
 
 def _train_fields_for_step(skip_prev_logprobs: bool, skip_reference_logprobs: bool = False) -> list[str]:
@@ -368,62 +379,6 @@ def _token_fields(skip_prev: bool, skip_ref: bool) -> list[str]:
     return (
         ["token_mask"] + ([] if skip_prev else ["prev_logprobs"]) + ([] if skip_ref else ["reference_policy_logprobs"])
     )
-
-
-def _apply_dynamic_sampling(
-    *,
-    meta: KVBatchMeta,
-    driver_carry: BatchedDataDict,
-    pending_meta: KVBatchMeta | None,
-    pending_carry: BatchedDataDict | None,
-    pending_unfiltered_rewards: list[torch.Tensor],
-    train_prompts_size: int,
-    num_gen_batches: int,
-    max_gen_batches: int,
-    policy: DataPlanePolicy,
-) -> tuple[KVBatchMeta | None, BatchedDataDict | None, list[torch.Tensor], bool, dict[str, float], torch.Tensor | None]:
-    """One dynamic-sampling iteration on metadata: drop zero-std rows (and their keys from the store), merge the
-    survivors into the pending cache, report whether it reached `train_prompts_size` rows.
-
-    Returns (pending_meta, pending_carry, pending_unfiltered_rewards, is_complete, ds_metrics, unfiltered_for_log);
-    when complete, the pending meta/carry *are* the training batch and `unfiltered_for_log` holds every reward
-    generated for this step (what train/reward reports, as in the legacy trainer).
-    """
-    pending_unfiltered_rewards.append(driver_carry["total_reward"])
-    if meta.tags is None:
-        raise ValueError("dynamic sampling needs meta.tags with a 'std' per row (stamp_tags before filtering)")
-    keep = [i for i, t in enumerate(meta.tags) if float(t["std"]) != 0.0]
-    drop = [meta.keys[i] for i, t in enumerate(meta.tags) if float(t["std"]) == 0.0]
-    if drop:
-        policy.discard_samples(drop, meta.partition_id)
-    if keep:
-        surv_meta = meta.subset(keep)
-        surv_carry = driver_carry.select_indices(keep)
-        surv_carry["filtered_reward"] = surv_carry["total_reward"]
-        if pending_meta is None or pending_carry is None:
-            pending_meta, pending_carry = surv_meta, surv_carry
-        else:
-            pending_meta = pending_meta.concat(surv_meta)
-            pending_carry = BatchedDataDict.from_batches([pending_carry, surv_carry])
-    have = 0 if pending_meta is None else pending_meta.size
-    metrics: dict[str, float] = {"dynamic_sampling_num_gen_batches": num_gen_batches}
-    if have < train_prompts_size:
-        if num_gen_batches > max_gen_batches:
-            if pending_meta is not None:
-                policy.discard_samples(pending_meta.keys, pending_meta.partition_id)
-            raise ValueError(
-                f"dynamic sampling reached the maximum allowed number of generation batches "
-                f"(grpo.dynamic_sampling_max_gen_batches={max_gen_batches}) with only {have}/{train_prompts_size} rows "
-                "of non-zero reward std; raise the limit or check the reward"
-            )
-        return pending_meta, pending_carry, pending_unfiltered_rewards, False, metrics, None
-    assert pending_meta is not None and pending_carry is not None
-    metrics["dynamic_sampling_num_discarded_valid_samples"] = have - train_prompts_size
-    if have > train_prompts_size:
-        policy.discard_samples(pending_meta.keys[train_prompts_size:], pending_meta.partition_id)
-        pending_meta = pending_meta.slice(0, train_prompts_size)
-        pending_carry = pending_carry.slice(0, train_prompts_size)
-    return pending_meta, pending_carry, [], True, metrics, torch.cat(pending_unfiltered_rewards)
 
 
 def _compute_seq_logprob_error_metrics(

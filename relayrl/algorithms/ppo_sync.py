@@ -14,7 +14,8 @@ side and log identical numbers (`relayrl parity`). Only data movement differs:
   Only the `advantages/*`, `returns/mean`, `values/mean` metrics come back;
 - `ppo_epochs` of critic and actor updates run from metadata; `finish_step` clears every key of the step and
   fails on any leftover key (nothing is filtered mid-step in PPO, so every minted key is trained on).
-Each step logs `train/driver_bytes` (carry + every driver put/get) and `train/store_bytes_written`. The loop,
+Each step logs `train/driver_bytes` (carry + every driver put/get) and `train/store_bytes_written`. The rows come
+from a `RolloutSource` (`rollout_sources.ActorSource`: the rollout actor, generating for the step); the loop,
 validation and step tail are every trainer's (`runner.py`, `validation.py`).
 """
 
@@ -38,11 +39,13 @@ from relayrl.algorithms.protocols import (
     DataPlaneValue,
     Generation,
     RolloutActor,
+    RolloutSource,
     Tokenizer,
 )
 from relayrl.algorithms.recording import TIMER as RECORD_TIMER
 from relayrl.algorithms.recording import StepRecorder
 from relayrl.algorithms.reward_functions import post_process_rewards
+from relayrl.algorithms.rollout_sources import ActorSource, RolloutSpec, StepStart
 from relayrl.algorithms.runner import LoopParts, StepOutput, run_loop
 from relayrl.algorithms.trainer_common import (
     KvScaleSync,
@@ -60,7 +63,6 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS, REWARDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.experience.carry_wire import decode_carry, wire_nbytes
 from relayrl.experience.ray_rollout import rollout_actor_cls
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
@@ -94,22 +96,30 @@ def ppo_train_sync(
 
     validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
     kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)
+    carry_keys = rollout_carry_keys(_CARRY, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
+    spec = RolloutSpec(
+        value.tq_partition_id, cfg.ppo.num_generations_per_prompt, carry_keys, cfg.logger.num_train_samples_to_log
+    )
+    source = ActorSource(
+        actor, policy_generation, kv_sync, timer, spec, _step_start(policy, value, cfg.ppo.rows_per_step)
+    )
     steps = PPOSyncSteps(
-        policy, policy_generation, value, actor, loss_fn, value_loss_fn, logger, cfg, timer, validate_at, kv_sync
+        policy, policy_generation, value, source, loss_fn, value_loss_fn, logger, cfg, timer, validate_at, kv_sync
     )
     both = PolicyAndCritic(policy, value)
     return run_loop(steps, LoopParts(cfg, save_state, timer, dataloader, both, policy_generation, checkpointer, logger))
 
 
 class PPOSyncSteps:
-    """The data-plane PPO step: each phase a method under its timer, phase for phase with `ppo.PPOSteps`."""
+    """The data-plane PPO step: each phase a method under its timer, phase for phase with `ppo.PPOSteps`. Its rows
+    come from a `RolloutSource` (the run's rollout actor, generating for the step)."""
 
     def __init__(
         self,
         policy: DataPlanePolicy,
         policy_generation: Generation,
         value: DataPlaneValue,
-        rollout_actor: RolloutActor,
+        source: RolloutSource,
         loss_fn: LossFunction,
         value_loss_fn: LossFunction,
         logger: Logger,
@@ -118,7 +128,7 @@ class PPOSyncSteps:
         validate_at: Callable[[int], ValidationResult],
         kv_sync: KvScaleSync,
     ) -> None:
-        self.policy, self.generation, self.value, self.actor = policy, policy_generation, value, rollout_actor
+        self.policy, self.generation, self.value, self.source = policy, policy_generation, value, source
         self.kv_sync = kv_sync
         self.loss_fn, self.value_loss_fn = loss_fn, value_loss_fn
         self.logger, self.cfg, self.p, self.timer = logger, cfg, cfg.ppo, timer
@@ -130,21 +140,20 @@ class PPOSyncSteps:
         if cfg.loss_fn.positive_example_nll_weight > 0:  # the loss's NLL term reads each row's reward, as legacy's does
             self.train_fields.append(REWARDS)
         self.kl_fields = _kl_logprob_fields(cfg, self.skip_ref)
-        self.carry_keys = rollout_carry_keys(
-            _CARRY, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log
-        )
-        self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
+        self._validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
         self.recorder = StepRecorder(cfg, logger.run_dir, "data_plane")
 
     def close(self) -> None:
-        self.actor.shutdown()
+        self.source.close()
+
+    def validate(self, step: int) -> dict[str, float]:
+        with self.source.validating():
+            return self._validate(step)
 
     def step(self, batch: BatchedDataDict, step: int) -> StepOutput:
         timer, p, policy, value = self.timer, self.p, self.policy, self.value
-        with timer.time("data_processing"):  # repeat prompts G times (the actor flattens and groups them)
-            repeated = batch.repeat_interleave(p.num_generations_per_prompt)
-        self.kv_sync.before_first_refit(repeated)
-        meta, carry, rollout_metrics, carry_bytes = self._generate(repeated)
+        rollout = self.source.next(batch, step, first_batch=True, step_starts=True)
+        meta, carry, rollout_metrics = rollout.meta, rollout.carry, rollout.metrics
         carry["total_reward"], drop = guard_rewards(carry["total_reward"], p.num_generations_per_prompt, self.cfg, step)
         if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
             carry["non_finite_drop"] = drop
@@ -189,11 +198,11 @@ class PPOSyncSteps:
             with timer.time(RECORD_TIMER):
                 fields = [*self.train_fields, "values", "returns"]
                 info = self.recorder.info(step, rollout_metrics)
-                self.actor.record_step(
+                self.source.record(
                     meta, self.recorder.request(step, fields, self.recorder.driver_columns(step, rewards), info)
                 )
         value.finish_step(meta)  # clears every key of the step; a leftover key is an error
-        dp_metrics = _step_bytes(policy, value, self.actor, carry_bytes)
+        dp_metrics = _step_bytes(policy, value, self.source, rollout.carry_bytes)
         metrics.update(
             driver_bytes=dp_metrics["data_plane/step/driver_bytes"],
             store_bytes_written=dp_metrics["data_plane/step/store_bytes_written"],
@@ -214,26 +223,8 @@ class PPOSyncSteps:
         self.logger.log_metrics(critic_metrics, step, prefix="critic")
         if drop is not None:
             metrics["non_finite_samples_skipped"] = float(drop.sum())
+        metrics.update(self.source.after_step(step))
         return StepOutput(metrics, samples, {"critic": critic_metrics})
-
-    def _generate(self, repeated: BatchedDataDict) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], int]:
-        """One actor call rolls out, scores, flattens and writes the bulk to the store; the carry comes back."""
-        p = self.p
-        with self.timer.time("prepare_for_generation/total"):
-            self.generation.prepare_for_generation()
-        with self.timer.time("generation"):
-            _reset_byte_counters(self.policy, self.value, self.actor)  # validation traffic is not the step's
-            self.value.prepare_step(p.rows_per_step)  # the PPO schema: GRPO's fields plus values, returns, rewards
-            meta, wire_carry, rollout_metrics, _ = self.actor.rollout_to_tq(
-                repeated,
-                partition_id=self.value.tq_partition_id,
-                group_size=p.num_generations_per_prompt,
-                carry_keys=self.carry_keys,
-                wire=True,
-                text_rows=self.cfg.logger.num_train_samples_to_log,
-            )
-            # what crossed to the driver is the carry's smallest exact form; decoded, dtypes as the legacy trainer's
-            return meta, decode_carry(wire_carry), rollout_metrics, wire_nbytes(wire_carry)
 
     def _filter(
         self, meta: KVBatchMeta, carry: BatchedDataDict, rewards: torch.Tensor
@@ -273,13 +264,21 @@ def _kl_logprob_fields(cfg: MasterConfig, skip_ref: bool) -> tuple[str, ...]:
     return (PREV_LOGPROBS,) if skip_ref else (PREV_LOGPROBS, REFERENCE_POLICY_LOGPROBS)
 
 
-def _reset_byte_counters(policy: DataPlanePolicy, value: DataPlaneValue, rollout_actor: RolloutActor) -> None:
-    policy.data_plane_metrics(reset=True, extra=[rollout_actor.data_plane_metrics(reset=True)])
-    value.data_plane_metrics(reset=True)
+def _step_start(policy: DataPlanePolicy, value: DataPlaneValue, rows: int) -> StepStart:
+    """Before a PPO step's rows reach the store: the byte counters of every client start over (validation traffic
+    is not the step's) and the critic prepares the partition (the PPO schema: GRPO's fields plus values, returns,
+    rewards)."""
+
+    def start(rollout_counters: dict[str, float]) -> None:
+        policy.data_plane_metrics(reset=True, extra=[rollout_counters])
+        value.data_plane_metrics(reset=True)
+        value.prepare_step(rows)
+
+    return start
 
 
 def _step_bytes(
-    policy: DataPlanePolicy, value: DataPlaneValue, rollout_actor: RolloutActor, carry_bytes: int
+    policy: DataPlanePolicy, value: DataPlaneValue, source: RolloutSource, carry_bytes: int
 ) -> dict[str, float]:
     """The policy's `data_plane/*` metrics over every client of the step (policy driver and workers, rollout actor,
     critic driver and workers) plus `data_plane/step/*`: bytes through the driver (carry + the two driver clients'
@@ -289,9 +288,7 @@ def _step_bytes(
         "data_plane/put/bytes": critic.pop("data_plane/workers/put_bytes", 0.0),
         "data_plane/get/bytes": critic.pop("data_plane/workers/get_bytes", 0.0),
     }
-    out = policy.data_plane_metrics(
-        reset=True, extra=[rollout_actor.data_plane_metrics(reset=True), critic, critic_workers]
-    )
+    out = policy.data_plane_metrics(reset=True, extra=[source.store_metrics(), critic, critic_workers])
     out["data_plane/driver_bytes"] = out.get("data_plane/driver_bytes", 0.0) + critic.get(
         "data_plane/driver_bytes", 0.0
     )

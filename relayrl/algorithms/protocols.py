@@ -10,6 +10,8 @@ that has the methods. The legacy trainers use `Policy` / `Value`; the data-plane
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -39,7 +41,9 @@ __all__ = [
     "KvCalibrator",
     "Policy",
     "Resumable",
+    "Rollout",
     "RolloutActor",
+    "RolloutSource",
     "Tokenizer",
     "TrainLogger",
     "Value",
@@ -201,7 +205,8 @@ class DataPlaneValue(Checkpointable, Protocol):
 
 
 class RolloutActor(Protocol):
-    """Rolls a batch out, scores it and writes its bulk into the store; returns the handle and a small carry."""
+    """Rolls a batch out, scores it and writes its bulk into the store; returns the handle, a small per-row carry in
+    its wire form (`carry_wire.decode_carry` gives the values) and the rollout metrics."""
 
     def rollout_to_tq(
         self,
@@ -214,13 +219,54 @@ class RolloutActor(Protocol):
         task_to_env_override: dict[str, EnvironmentInterface] | None = ...,
         carry_keys: Sequence[str] | None = ...,
         greedy: bool = ...,
-        wire: bool = ...,
         text_rows: int | None = ...,
         row_tags: Mapping[str, Any] | None = ...,
-    ) -> tuple[KVBatchMeta, BatchedDataDict, dict[str, float], dict[str, float]]: ...
+    ) -> tuple[KVBatchMeta, dict[str, Any], dict[str, float]]: ...
     def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str: ...
     def data_plane_metrics(self, reset: bool = False) -> dict[str, float]: ...
     def shutdown(self) -> bool: ...
+
+
+# ---------------------------------------------------------------------------------------------- rollout sources
+@dataclass
+class Rollout:
+    """One generation batch of a step, written to the store: what a data-plane step's phases start from."""
+
+    meta: KVBatchMeta  # the rows' keys, lengths and tags
+    carry: BatchedDataDict  # per-row values on the driver (rewards, lengths, group ids, ...), each [B]
+    metrics: dict[str, float]  # the rollout's own metrics (generated tokens, turns, ...)
+    carry_bytes: int  # what crossed to the driver for the carry: its wire form's size
+    reference_in_store: bool = False  # the reference log-probs are written already (the async producer's pass)
+
+
+class RolloutSource(Protocol):
+    """Where a data-plane trainer's rollouts come from: generated for the step (`rollout_sources.ActorSource`),
+    made ahead by the asynchronous producer (`producer_source.ProducerSource`) or read from a flight recording
+    (`replay.RecordedSource`). The step's phases are the same for each; what a source needs around them (publishing
+    weights, retiring partitions, its own metrics) goes through these hooks, so no trainer subclasses another."""
+
+    def next(self, batch: BatchedDataDict, step: int, *, first_batch: bool, step_starts: bool) -> Rollout:
+        """The rows of `step` for `batch`'s prompts, in the store. `first_batch`: the step's first generation batch;
+        `step_starts`: none of the step's rows is in the store yet (dynamic sampling may use several batches)."""
+        ...
+
+    def record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
+        """Write the flight recorder's file of the step (its keys still in the store)."""
+        ...
+
+    def store_metrics(self) -> dict[str, float]:
+        """The rollout side's store counters for the step (it wrote the bulk); read once, at the step's end."""
+        ...
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """After the step's keys left the store: the source's own `train/*` metrics (async: the samples' age)."""
+        ...
+
+    def validating(self) -> AbstractContextManager[None]:
+        """Held around a validation (the async producer on Ray lends its workers to it between batches)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class TrainLogger(Protocol):

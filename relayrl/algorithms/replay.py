@@ -2,24 +2,27 @@
 
 The policy is rebuilt at step N − 1 (the run's `step_{N-1}` checkpoint; for N = 1 the run's initial weights, which
 its seed makes exact), then each recorded step goes through the data-plane GRPO trainer's own phases
-(`GRPOSyncSteps.step`: rewards, log-probs, advantages, loss, update) with `RecordedRollouts` standing in for the
-rollout actor: it writes the recorded rows into the store under their recorded keys and returns the carry the
-actor returned. Nothing about the step is re-implemented, so on CPU the replayed `train/*` metrics equal the
+(`GRPOSyncSteps.step`: rewards, log-probs, advantages, loss, update) with a `RecordedSource` as its rollout source:
+it writes the recorded rows into the store under their recorded keys and hands over the carry the actor returned. Nothing about the step is re-implemented, so on CPU the replayed `train/*` metrics equal the
 recorded ones, and an override (a loss setting, say) shows its effect on exactly the same data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from relayrl.algorithms.grpo_sync import GRPOSyncSteps
+from relayrl.algorithms.grpo_sync import GRPOSyncSteps, grpo_rollout_spec, grpo_step_start
+from relayrl.algorithms.protocols import Generation, Rollout
+from relayrl.algorithms.rollout_sources import RolloutSpec, StepStart, prepare_rollout, received
 from relayrl.algorithms.setup import DataPlaneComponents, setup
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.config import MasterConfig
@@ -94,28 +97,40 @@ def source_checkpoint(run_dir: Path, cfg: MasterConfig, step: int) -> Path | Non
     return path
 
 
-class RecordedRollouts:
-    """The rollout actor for a replay: each `rollout_to_tq` writes the next recorded step's rows into the store
-    (the columns the actor wrote, under the same keys) and returns the carry the actor returned."""
+class RecordedSource:
+    """The rollouts of a replay: each `next` writes the next recorded step's rows into the store (the columns the
+    actor wrote, under the same keys) and hands over the carry the actor returned, through the same phases and
+    timers as a generated step (the engine is woken and released as it was, though nothing is generated)."""
 
-    def __init__(self, tables: list[Any], generation: Any, cfg: MasterConfig) -> None:
-        self.tables, self.generation, self.cfg = list(tables), generation, cfg
+    def __init__(
+        self,
+        tables: list[Any],
+        generation: Generation,
+        kv_sync: KvScaleSync,
+        timer: Timer,
+        spec: RolloutSpec,
+        start_step: StepStart,
+        cfg: MasterConfig,
+    ) -> None:
+        self.tables, self.generation, self.kv_sync, self.timer = list(tables), generation, kv_sync, timer
+        self.spec, self.start_step, self.cfg = spec, start_step, cfg
         self.client: DataPlaneClient = build_data_plane_client(cfg.data_plane, bootstrap=False)
 
-    def rollout_to_tq(
-        self,
-        input_batch: BatchedDataDict,
-        *,
-        partition_id: str,
-        group_size: int = 1,
-        first_iter: bool = True,
-        finish_generation: bool = True,
-        carry_keys: Sequence[str] | None = None,
-        wire: bool = False,
-        text_rows: int | None = None,
-        **_: Any,
-    ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
-        table = self.tables.pop(0)
+    def next(self, batch: BatchedDataDict, step: int, *, first_batch: bool, step_starts: bool) -> Rollout:
+        spec = self.spec
+        prepare_rollout(batch, spec.group_size, self.timer, self.kv_sync, self.generation)  # an empty batch
+        with self.timer.time("generation"):
+            if step_starts:
+                self.start_step(self.client.metrics(reset=True))
+            table = self.tables.pop(0)
+            meta, loss_multiplier, metrics = self._write(table)
+            self.generation.finish_generation()
+            carry = self._carry(table, loss_multiplier)
+            return received(meta, encode_carry(carry, spec.group_size), metrics)  # the bytes the actor's carry had
+
+    def _write(self, table: Any) -> tuple[KVBatchMeta, torch.Tensor, dict[str, Any]]:
+        """The recorded step's bulk into the store under its recorded keys. Returns (meta, loss multiplier [B],
+        rollout metrics)."""
         keys = table.column("sample_key").to_pylist()
         rollout_metrics = dict(table_info(table).get("rollout_metrics", {}))
         lengths = table_column(table, INPUT_LENGTHS).values  # [B]
@@ -132,26 +147,22 @@ class RecordedRollouts:
             bulk,
             keys=keys,
             client=self.client,
-            partition_id=partition_id,
+            partition_id=self.spec.partition_id,
             extra_info={ROLLOUT_METRICS: rollout_metrics},
-            task_name=partition_id,
+            task_name=self.spec.partition_id,
             pad_to_multiple=self.cfg.policy.make_sequence_length_divisible_by,
         )
-        if finish_generation:
-            self.generation.finish_generation()
-        assert token_mask.lengths is not None  # per-token: recorded jagged
-        counts = torch.stack([row.sum() for row in token_mask.values.split(token_mask.lengths.tolist())])  # [B]
-        carry = self._carry(table, loss_multiplier, counts, carry_keys, text_rows)
-        return meta, encode_carry(carry, group_size) if wire else carry, rollout_metrics, {}
+        return meta, loss_multiplier, rollout_metrics
 
-    @staticmethod
-    def _carry(
-        table: Any,
-        loss_multiplier: torch.Tensor,
-        loss_token_counts: torch.Tensor,
-        carry_keys: Sequence[str] | None,
-        text_rows: int | None,
-    ) -> BatchedDataDict:
+    def _carry(self, table: Any, loss_multiplier: torch.Tensor) -> BatchedDataDict:
+        """The carry the actor returned, rebuilt from the recorded columns (the keys this trainer asks for)."""
+        token_mask = table_column(table, TOKEN_MASK)
+        assert token_mask.lengths is not None  # per-token: recorded jagged
+        loss_token_counts = torch.stack(
+            [row.sum() for row in token_mask.values.split(token_mask.lengths.tolist())]
+        )  # [B]
+        carry_keys, text_rows = self.spec.carry_keys, self.spec.text_rows
+
         def col(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(table.column(name).to_pylist(), dtype=dtype)  # [B]
 
@@ -174,15 +185,20 @@ class RecordedRollouts:
             raise KeyError(f"replay cannot rebuild carry values {unknown} from a flight recording")
         return BatchedDataDict({k: builders[k]() for k in wanted})
 
-    def record_step(self, meta: KVBatchMeta, request: RecordRequest, rows_from: Any = None) -> str:
+    def record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
         raise RuntimeError("a replay does not record (its config turns the flight recorder off)")
 
-    def data_plane_metrics(self, reset: bool = False) -> dict[str, float]:
-        return self.client.metrics(reset)
+    def store_metrics(self) -> dict[str, float]:
+        return self.client.metrics(True)
 
-    def shutdown(self) -> bool:
+    def after_step(self, step: int) -> dict[str, float]:
+        return {}
+
+    def validating(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
         self.client.close()
-        return True
 
 
 def _recorded_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -229,15 +245,16 @@ def replay_run(
     c = setup(cfg, out)
     try:
         assert isinstance(c, DataPlaneComponents)  # replay_config turned the data plane on
-        actor = RecordedRollouts(tables, c.policy_generation, cfg)
         timer = Timer()
 
         def no_validation(step: int) -> tuple[dict[str, float], dict[str, float]]:
             return {}, {}
 
         kv_sync = KvScaleSync(c.policy, c.policy_generation, timer, c.tokenizer.pad_token_id, None)  # no generation
+        spec, start = grpo_rollout_spec(cfg, c.policy), grpo_step_start(c.policy, cfg)
+        recorded = RecordedSource(tables, c.policy_generation, kv_sync, timer, spec, start, cfg)
         trainer = GRPOSyncSteps(
-            c.policy, c.policy_generation, actor, c.loss_fn, c.logger, cfg, timer, no_validation, kv_sync
+            c.policy, c.policy_generation, recorded, c.loss_fn, c.logger, cfg, timer, no_validation, kv_sync
         )
         try:
             for step in steps:

@@ -18,6 +18,7 @@ from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generatio
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface
+from relayrl.experience.carry_wire import decode_carry
 from relayrl.experience.rollouts import run_multi_turn_rollout
 from relayrl.utils.logger import Logger
 
@@ -83,7 +84,7 @@ def validate_sync(
 
     def rollout(repeated: BatchedDataDict) -> tuple[torch.Tensor, float, list[dict[str, object]]]:
         policy.prepare_val_partition(repeated.size, partition_id=partition_id)
-        meta, carry, metrics, _ = rollout_actor.rollout_to_tq(
+        meta, wire_carry, metrics = rollout_actor.rollout_to_tq(
             repeated,
             partition_id=partition_id,
             group_size=k,
@@ -94,6 +95,7 @@ def validate_sync(
             greedy=master_config.rollout.val_greedy,
         )
         policy.finish_step(meta)
+        carry = decode_carry(wire_carry)  # the per-row values, exactly as the actor made them
         return carry["total_reward"], metrics["mean_gen_tokens_per_sample"], _samples(carry["message_log"], carry)
 
     return _validate_batches(val_dataloader, rollout, step, master_config, logger)

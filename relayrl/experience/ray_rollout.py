@@ -3,7 +3,7 @@
 On Ray the generation workers are actors too, so a rollout run in the driver would pull every generated batch into
 the driver only to write it to the store again. Hosted as an actor, `rollout_to_tq` gathers the generation
 workers' outputs, scores and flattens them, and writes the bulk to the (Ray) data plane itself; the driver gets
-back what the local `SyncRolloutActor` returns (a meta and per-row scalars).
+back what the local `SyncRolloutActor` returns (a meta, the per-row carry in its wire form, the rollout metrics).
 
 The actor samples with a copy of the driver's `DistributedGeneration` (its workers and generator state; the
 refit stays with the driver's engine, which still calls `prepare_for_generation`). While the actor lives, the
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from relayrl.config import DataPlaneConfig, MasterConfig
+from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.experience.flight_recorder import export_rows, import_rows
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 
@@ -67,7 +68,7 @@ class _HostedRolloutActor(SyncRolloutActor):
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.policy_generation.set_rng_state(state)
 
-    def rollout(self, input_batch: Any, kwargs: dict[str, Any]) -> Any:
+    def rollout(self, input_batch: Any, kwargs: dict[str, Any]) -> tuple[KVBatchMeta, dict[str, Any], dict[str, Any]]:
         names = kwargs.pop("task_to_env_override_names", None)
         if names is not None:  # the driver's override, by task name: this actor's own environments
             from relayrl.environments.registry import create_env
@@ -132,8 +133,9 @@ class RayRolloutActor:
         policy_generation.delegate_rng(self)  # from now on the actor's generator is the live one
         self._closed = False
 
-    def rollout_to_tq(self, input_batch: Any, **kwargs: Any) -> Any:
-        """`SyncRolloutActor.rollout_to_tq` in the actor; an environment override travels as its task names."""
+    def rollout_to_tq(self, input_batch: Any, **kwargs: Any) -> tuple[KVBatchMeta, dict[str, Any], dict[str, Any]]:
+        """`SyncRolloutActor.rollout_to_tq` in the actor (its keywords, forwarded as they are); an environment
+        override travels as its task names. Returns what it returns: `(meta, wire_carry, rollout_metrics)`."""
         override = kwargs.pop("task_to_env_override", None)
         if override is not None:
             kwargs["task_to_env_override_names"] = list(override)

@@ -40,7 +40,7 @@ from relayrl.data_plane.schema import (
 )
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
-from relayrl.experience.carry_wire import compact_tensor, encode_carry
+from relayrl.experience.carry_wire import encode_carry
 from relayrl.experience.flight_recorder import RecordRequest, RolloutStash, record_from_store, rollout_rows
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
@@ -143,22 +143,20 @@ class SyncRolloutActor:
         carry_keys: Sequence[str] | None = None,
         uids: Sequence[str] | None = None,
         greedy: bool = False,
-        compact: bool = False,
-        wire: bool = False,
         text_rows: int | None = None,
         row_tags: Mapping[str, Any] | None = None,
-    ) -> tuple[KVBatchMeta, Any, dict[str, Any], dict[str, Any]]:
+    ) -> tuple[KVBatchMeta, dict[str, Any], dict[str, Any]]:
         """Roll out `input_batch` (already repeat-interleaved: the `group_size` rows of a prompt are contiguous),
-        write its bulk to `partition_id`, return `(meta, driver_carry, rollout_metrics, generation_metrics)`.
+        write its bulk to `partition_id`, return `(meta, wire_carry, rollout_metrics)`.
 
         The caller prepares the engine (`prepare_for_generation`); with `finish_generation` the actor releases it
-        after the rollout. `carry_keys` replaces the default carry with exactly these keys (defaults and
-        `OPT_IN_CARRY_KEYS`). `uids` (one per prompt) replace the random uuid4 uids. `compact` stores integer and
-        0/1 carry values in the smallest dtype that holds them exactly (fewer bytes through the driver). `wire`
-        returns the carry in its wire form (`encode_carry`; the driver decodes it with `decode_carry`), the
-        smallest exact encoding. `text_rows` builds the opt-in text values only for the first `text_rows` rows
-        (the rest are None): the driver logs a few samples, so the whole batch's text need not cross to it.
-        `row_tags` are stored as every row's tags (asynchronous GRPO stamps the generating `weight_version`).
+        after the rollout. The driver carry comes back in its wire form (`encode_carry`, the smallest exact
+        encoding: on Ray it is what crosses to the driver); `decode_carry` gives back the per-row values and
+        `wire_nbytes` its size. `carry_keys` replaces the default carry with exactly these keys (defaults and
+        `OPT_IN_CARRY_KEYS`). `uids` (one per prompt) replace the random uuid4 uids. `text_rows` builds the opt-in
+        text values only for the first `text_rows` rows (the rest are None): the driver logs a few samples, so the
+        whole batch's text need not cross to it. `row_tags` are stored as every row's tags (asynchronous GRPO
+        stamps the generating `weight_version`).
         """
         n_rows = _check_rows(input_batch)
         num_prompts = _check_grouping(n_rows, group_size)
@@ -174,8 +172,6 @@ class SyncRolloutActor:
         gen = self.policy_generation
         if first_iter and callable(getattr(gen, "snapshot_step_metrics", None)):
             gen.snapshot_step_metrics()
-        if callable(getattr(gen, "clear_logger_metrics", None)):
-            gen.clear_logger_metrics()
         final, rollout_metrics = run_multi_turn_rollout(
             gen,
             input_batch,
@@ -210,16 +206,8 @@ class SyncRolloutActor:
             self.flight.add(partition_id, keys, _flight_rows(final, prompt_lengths, group), reset=first_iter)
         if finish_generation:
             gen.finish_generation()
-        get_metrics = getattr(gen, "get_logger_metrics", None)
-        gen_metrics: dict[str, Any] = dict(get_metrics()) if callable(get_metrics) else {}
         carry = self._driver_carry(final, bulk, prompt_ids, prompt_lengths, carry_keys, text_rows)
-        if wire:
-            return meta, encode_carry(carry, group_size), rollout_metrics, gen_metrics
-        if compact:
-            carry = BatchedDataDict(
-                {k: compact_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in carry.items()}
-            )
-        return meta, carry, rollout_metrics, gen_metrics
+        return meta, encode_carry(carry, group_size), rollout_metrics
 
     def _driver_carry(
         self,

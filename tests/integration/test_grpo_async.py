@@ -174,15 +174,15 @@ def test_resume_with_a_tighter_bound_drops_and_counts_stale_groups(tmp_path, tin
 def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """Every key the producer writes is trained on and cleared with its step, or discarded and counted at shutdown
     (here: an early stop at step 2's validation leaves batches 3 and 4 generated)."""
-    from relayrl.algorithms.grpo_async import GRPOAsyncSteps
+    from relayrl.algorithms.grpo_sync import GRPOSyncSteps
 
     held: list[int] = []
     partitions: list[list[str]] = []
-    step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
+    step, close = GRPOSyncSteps.step, GRPOSyncSteps.close
 
-    def live_keys(steps: GRPOAsyncSteps) -> int:
-        if steps.producer._thread.is_alive():  # count once production is idle: no half-put batch
-            steps.producer.drain()
+    def live_keys(steps: GRPOSyncSteps) -> int:
+        if steps.source.producer._thread.is_alive():  # count once production is idle: no half-put batch
+            steps.source.producer.drain()
         client = steps.policy.dp_client
         partitions.append(sorted(client.bytes_held()))
         return sum(len(client.keys(pid)) for pid in client.bytes_held())
@@ -196,8 +196,8 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, monkeypat
         close(self)
         held.append(live_keys(self))
 
-    monkeypatch.setattr(GRPOAsyncSteps, "step", step_and_count)
-    monkeypatch.setattr(GRPOAsyncSteps, "close", close_and_count)
+    monkeypatch.setattr(GRPOSyncSteps, "step", step_and_count)
+    monkeypatch.setattr(GRPOSyncSteps, "close", close_and_count)
     stop_early = ("grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.0")
     _run(tmp_path, tiny_model_dir, "leaks", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=2", *stop_early)
     # after step k the weights of version k allow batches up to k + 1 + d: batches 2-4 after step 1, 3-4 after step 2

@@ -63,14 +63,14 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, ray_clust
     """Every key the producer writes through its own client is trained on and cleared with its step, or discarded
     and counted at shutdown (an early stop at step 2 leaves batches 3 and 4 generated); TransferQueue's storage
     empties with the ledger."""
-    from relayrl.algorithms.grpo_async import GRPOAsyncSteps
+    from relayrl.algorithms.grpo_sync import GRPOSyncSteps
 
     held: list[tuple[int, int]] = []
-    step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
+    step, close = GRPOSyncSteps.step, GRPOSyncSteps.close
 
-    def live_keys(steps: GRPOAsyncSteps) -> tuple[int, int]:
-        if steps.producer._thread.is_alive():
-            steps.producer.drain()  # production idle: the two listings cannot see a half-put batch
+    def live_keys(steps: GRPOSyncSteps) -> tuple[int, int]:
+        if steps.source.producer._thread.is_alive():
+            steps.source.producer.drain()  # production idle: the two listings cannot see a half-put batch
         client = steps.policy.dp_client
         ledger = sum(len(client.keys(pid)) for pid in client.bytes_held())
         return ledger, _tq_keys() if backend == "transfer_queue" else ledger
@@ -84,8 +84,8 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, ray_clust
         close(self)
         held.append(live_keys(self))
 
-    monkeypatch.setattr(GRPOAsyncSteps, "step", step_and_count)
-    monkeypatch.setattr(GRPOAsyncSteps, "close", close_and_count)
+    monkeypatch.setattr(GRPOSyncSteps, "step", step_and_count)
+    monkeypatch.setattr(GRPOSyncSteps, "close", close_and_count)
     stop_early = ("grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.0")
     _run(tmp_path, tiny_model_dir, "leaks", *ASYNC, *_on(backend, "grpo.async_grpo.max_trajectory_age_steps=2"),
          *stop_early)  # fmt: skip

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from relayrl.algorithms.async_state import ASYNC_STATE
-from relayrl.algorithms.grpo_async import GRPOAsyncSteps
+from relayrl.algorithms.grpo_sync import GRPOSyncSteps
 from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
 from relayrl.utils.state_file import load_state_file
@@ -83,9 +83,9 @@ def _train(run_dir: Path, *extra: str, gen_workers: int = 1) -> None:
 @contextmanager
 def counting_live_keys(held: list[int]) -> Iterator[None]:
     """Record the keys alive in the store after every async step and after the trainer closed."""
-    step, close = GRPOAsyncSteps.step, GRPOAsyncSteps.close
+    step, close = GRPOSyncSteps.step, GRPOSyncSteps.close
 
-    def live(steps: GRPOAsyncSteps) -> int:
+    def live(steps: GRPOSyncSteps) -> int:
         client = steps.policy.dp_client
         return sum(len(client.keys(pid)) for pid in client.bytes_held())
 
@@ -99,8 +99,8 @@ def counting_live_keys(held: list[int]) -> Iterator[None]:
         held.append(live(self))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(GRPOAsyncSteps, "step", step_and_count)
-        mp.setattr(GRPOAsyncSteps, "close", close_and_count)
+        mp.setattr(GRPOSyncSteps, "step", step_and_count)
+        mp.setattr(GRPOSyncSteps, "close", close_and_count)
         yield
 
 

@@ -18,6 +18,7 @@ from relayrl.data_plane.interfaces import DataPlaneClient, DataPlaneClosedError
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, GLOBAL_FORWARD_PAD_SEQLEN, PAD_TO_MULTIPLE, round_up
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from relayrl.experience.carry_wire import decode_carry
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
@@ -48,7 +49,7 @@ class CountingEnv(EnvironmentInterface):
 
 
 class RecordingEngine(HfGeneration):
-    """The real engine plus the optional logger hooks the actor calls when an engine has them."""
+    """The real engine plus the optional step-metrics hook the actor calls when an engine has it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -56,12 +57,6 @@ class RecordingEngine(HfGeneration):
 
     def snapshot_step_metrics(self) -> None:
         self.events.append("snapshot")
-
-    def clear_logger_metrics(self) -> None:
-        self.events.append("clear")
-
-    def get_logger_metrics(self) -> dict[str, float]:
-        return {"engine/calls": float(len(self.events))}
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         self.events.append("finish")
@@ -142,7 +137,8 @@ def materialize_step(driver: DataPlaneClient, meta: Any) -> BatchedDataDict:
 def test_store_columns_equal_the_legacy_flatten_bit_for_bit(setup: SimpleNamespace) -> None:
     s = setup
     repeated = prompt_batch(s.tok).repeat_interleave(G)
-    meta, carry, metrics, gen_metrics = s.actor.rollout_to_tq(repeated, partition_id="train", group_size=G)
+    meta, wire, metrics = s.actor.rollout_to_tq(repeated, partition_id="train", group_size=G)
+    carry = decode_carry(wire)
     assert all("token_loss_mask" not in m for log in repeated["message_log"] for m in log)  # input untouched
 
     # ---- the legacy trainer's lines, on an identically seeded engine ----
@@ -191,7 +187,7 @@ def test_store_columns_equal_the_legacy_flatten_bit_for_bit(setup: SimpleNamespa
     assert carry["response_token_lengths"].tolist()[:G] == first_asst[:G]
     assert carry["response_token_lengths"].tolist()[G:] == [stop - start] * G  # prompt 2's first assistant: history
     assert meta.sequence_lengths == input_lengths.tolist() and meta.partition_id == "train"
-    assert gen_metrics == {"engine/calls": 3.0}  # snapshot, clear, finish
+    assert s.actor.policy_generation.events == ["snapshot", "finish"]
 
 
 def test_keys_are_minted_once_per_prompt(setup: SimpleNamespace) -> None:
@@ -223,7 +219,7 @@ def test_carry_keys_and_generation_lifecycle(setup: SimpleNamespace) -> None:
     s = setup
     batch = prompt_batch(s.tok)  # group_size 1, e.g. one validation batch
     engine = s.actor.policy_generation
-    meta, carry, _, _ = s.actor.rollout_to_tq(
+    meta, wire, _ = s.actor.rollout_to_tq(
         batch,
         partition_id="train",
         first_iter=False,
@@ -231,7 +227,8 @@ def test_carry_keys_and_generation_lifecycle(setup: SimpleNamespace) -> None:
         carry_keys=["total_reward", "turn_roles", "message_log", "idx"],
         greedy=True,
     )
-    assert engine.events == ["clear"]  # no snapshot on a later iteration, engine kept warm
+    assert engine.events == []  # no snapshot on a later iteration, engine kept warm
+    carry = decode_carry(wire)
     assert list(carry) == ["total_reward", "turn_roles", "message_log", "idx"]
     assert carry["turn_roles"][1][:3] == ["user", "assistant", "user"] and len(carry["turn_roles"][0]) == 5
     assert set(carry["message_log"][0][1]) == {"role", "content"}  # text only, no token tensors
@@ -256,30 +253,32 @@ def test_bulk_goes_to_the_store_not_through_the_driver(setup: SimpleNamespace) -
     assert s.driver.bytes_held()["train"] > 0  # detaching the actor leaves the driver's store alone
 
 
-def test_wire_carry_decodes_to_the_plain_carry_and_text_rows_limit_text(setup: SimpleNamespace) -> None:
-    from relayrl.experience.carry_wire import decode_carry, wire_nbytes
+def test_wire_carry_decodes_exactly_and_text_rows_limit_text(setup: SimpleNamespace) -> None:
+    from relayrl.experience.carry_wire import wire_nbytes
 
     s = setup
     repeated = prompt_batch(s.tok).repeat_interleave(G)
     keys = ["total_reward", "loss_multiplier", "truncated", "length", "prompt_group", "loss_token_counts"]
     uids = ["a", "b"]
-    _, plain, _, _ = s.actor.rollout_to_tq(
+    _, all_text, _ = s.actor.rollout_to_tq(
         repeated, partition_id="train", group_size=G, carry_keys=keys + ["sample_text"], uids=uids, greedy=True
     )
     s.driver.clear_samples(None, "train")
-    _, wire, _, _ = s.actor.rollout_to_tq(
+    _, wire, _ = s.actor.rollout_to_tq(
         repeated,
         partition_id="train",
         group_size=G,
         carry_keys=keys + ["sample_text"],
         uids=uids,
         greedy=True,
-        wire=True,
         text_rows=2,
     )
-    decoded = decode_carry(wire)
+    plain, decoded = decode_carry(all_text), decode_carry(wire)
+    assert list(decoded) == keys + ["sample_text"]
+    dtypes = [torch.float32, torch.float32, torch.bool, torch.int64, torch.int64, torch.int64]
+    assert [decoded[k].dtype for k in keys] == dtypes  # the legacy trainer's dtypes, whatever travelled
     for k in keys:
-        assert decoded[k].dtype == plain[k].dtype and torch.equal(decoded[k], plain[k]), k
+        assert torch.equal(decoded[k], plain[k]), k
     assert decoded["sample_text"][:2] == plain["sample_text"][:2] and decoded["sample_text"][2:] == [None] * 4
     prompt, completion = plain["sample_text"][0]
     assert prompt.startswith("<|user|>") and completion  # what samples.jsonl logs for the row

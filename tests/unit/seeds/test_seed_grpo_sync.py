@@ -21,6 +21,7 @@ from relayrl.algorithms.grpo_sync import (
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.experience.carry_wire import encode_carry
 from tests.unit.seeds.seed_signature import assert_seed_signature
 
 
@@ -173,7 +174,7 @@ class _ValActor:
             total_reward=torch.tensor(VAL_REWARDS[b]), message_log=[[{"role": "assistant", "content": "x"}]] * 2
         )
         meta = KVBatchMeta(partition_id, [f"v{b}_{i}" for i in range(2)], sequence_lengths=[4, 4])
-        return meta, carry, {"mean_gen_tokens_per_sample": VAL_LENGTHS[b]}, None
+        return meta, encode_carry(carry, kwargs["group_size"]), {"mean_gen_tokens_per_sample": VAL_LENGTHS[b]}
 
 
 class _ValPolicy:
