@@ -15,6 +15,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it) every `ray` test goes to one worker, in
+    file order: a module's `ray_cluster` is then the only Ray on the machine, and no two modules' clusters (each
+    sized for 2 cores) start side by side by accident."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A `ray` test that xdist would schedule outside the group is a configuration fault: stop before running."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    loose = [i.nodeid for i in session.items if i.get_closest_marker("ray") and not i.nodeid.endswith("@ray")]
+    if loose:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(loose)} ray tests (e.g. {loose[0]}): this pytest and pytest-xdist do not "
+            "work together; install the versions pyproject.toml's dev extra pins"
+        )
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     """The character-level tokenizer the shipped model uses (chat template, pad and eos set)."""
