@@ -25,8 +25,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest 9.2 with pytest-xdist 3.8 silently drops `--dist loadgroup`'s groups: say so in one line instead."""
+    if getattr(config.option, "dist", "no") == "loadgroup" and pytest.version_tuple >= (9, 2):
+        import xdist
+
+        if tuple(int(p) for p in xdist.__version__.split(".")[:2]) <= (3, 8):
+            raise pytest.UsageError(
+                f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} ignores --dist loadgroup (the ray "
+                "tests would share the machine with a second Ray): install the dev extra's pins (pytest<9.2)"
+            )
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A `ray` test that xdist would schedule outside the group is a configuration fault: stop before running."""
+    """A `ray` test that xdist would schedule outside the group is a configuration fault: stop before running (the
+    check above knows one bad pair of versions; this one sees the effect)."""
     if not getattr(session.config.option, "loadgroup", False):
         return
     loose = [i.nodeid for i in session.items if i.get_closest_marker("ray") and not i.nodeid.endswith("@ray")]
