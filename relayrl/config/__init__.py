@@ -251,6 +251,11 @@ class MasterConfig(Strict):
                 f"{block}.stop_at_validation_metric {r.stop_at_validation_metric!r} is not a validation metric; "
                 f"use one of {', '.join(VALIDATION_METRICS)}"
             )
+        if r.val_pass_k is not None and r.val_pass_k > r.val_num_generations_per_prompt:
+            raise ValueError(
+                f"{block}.val_pass_k = {r.val_pass_k} exceeds {block}.val_num_generations_per_prompt = "
+                f"{r.val_num_generations_per_prompt} (pass@k needs at least k rollouts per prompt)"
+            )
         if r.stop_at_validation_metric == "pass_k" and r.val_num_generations_per_prompt <= 1:
             raise ValueError(f"{block}.stop_at_validation_metric 'pass_k' requires val_num_generations_per_prompt > 1")
         if r.max_val_samples % r.val_batch_size and r.max_val_samples > r.val_batch_size:
