@@ -16,7 +16,7 @@ from typing import Protocol
 from relayrl.algorithms.protocols import BatchLoader, Checkpointable, Checkpointer, Generation, TrainLogger
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, GRPOSaveState
+from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, GRPOSaveState, data_plane_client_of, save_data_plane
 from relayrl.utils.seeding import capture_rng_state
 from relayrl.utils.signals import GracefulStop, TrainingInterrupted
 from relayrl.utils.state_file import save_state_file
@@ -160,6 +160,8 @@ def save_checkpoint(
     save_state_file(tmp / RNG_STATE, rng)
     if save_extra is not None:
         save_extra(tmp)
+    if cfg.checkpointing.save_data_plane:
+        save_data_plane(data_plane_client_of(policy), tmp, state.total_steps)
     return checkpointer.finalize_checkpoint(tmp)
 
 

@@ -39,7 +39,15 @@ from relayrl.algorithms.protocols import (
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import REWARD_FNS_TASK, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
-from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, CheckpointManager, GRPOSaveState, load_save_state
+from relayrl.utils.checkpoint import (
+    DATALOADER_STATE,
+    RNG_STATE,
+    CheckpointManager,
+    GRPOSaveState,
+    data_plane_client_of,
+    load_data_plane,
+    load_save_state,
+)
 from relayrl.utils.config_io import dump_config
 from relayrl.utils.dir_lock import DirectoryInUseError, DirLock, lock_run_directories
 from relayrl.utils.logger import Logger
@@ -292,6 +300,8 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
             optimizer_path=str(optimizer_dir) if optimizer_dir.is_dir() else None,
         )
         dataloader.load_state_dict(loader_state)
+        if cfg.checkpointing.save_data_plane:
+            load_data_plane(data_plane_client_of(policy), last)
     value = None
     try:
         value = kind.build_value(cfg, tokenizer, last) if cfg.algorithm == "ppo" else None

@@ -22,7 +22,7 @@ from relayrl.experience.carry_wire import decode_carry
 from relayrl.experience.rollouts import run_multi_turn_rollout
 from relayrl.utils.logger import Logger
 
-__all__ = ["ValidationResult", "sync_validator", "validate", "validate_sync", "validation_runner"]
+__all__ = ["ValidationResult", "pass_at_k", "sync_validator", "validate", "validate_sync", "validation_runner"]
 
 Envs = dict[str, EnvironmentInterface]
 #: One validation batch rolled out: (rewards [B], mean generated tokens per sample, samples for val_data_step*.jsonl)
@@ -142,12 +142,29 @@ def _validate_batches(
         "num_samples": int(rewards.numel()),
     }
     if k > 1:
-        val_metrics["pass_k"] = (rewards.view(-1, k) > 0).any(dim=1).float().mean().item()
+        val_metrics["pass_k"] = pass_at_k(rewards.view(-1, k) > 0, r.val_pass_k or k).float().mean().item()
     if logger is not None:
         logger.log_jsonl(samples, f"val_data_step{step}.jsonl")
         for i, sample in enumerate(samples[: cfg.logger.num_val_samples_to_print]):
             logger.print_message(f"validation step {step} sample {i + 1}/{len(samples)}: {_render(sample)}")
     return val_metrics, {"total_validation_time": time.perf_counter() - t0}
+
+
+def pass_at_k(passed: torch.Tensor, k: int) -> torch.Tensor:
+    """Unbiased pass@k per prompt (Chen et al. 2021) from `passed` [P, n] bool: 1 - C(n-c, k) / C(n, k), c = passes.
+
+    Why not "any of k": with n > k rollouts that over-counts; this is the chance that k of the n, drawn without
+    replacement, hold a pass. At k = n it is exactly "any of them passed" (0 or 1 per prompt). Returns [P] float64.
+    """
+    n = passed.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n = {n} rollouts per prompt, got k = {k}")
+    fails = n - passed.sum(dim=1).to(torch.float64)  # [P]
+    # C(n-c, k) / C(n, k) = prod_{i<k} (n-c-i) / (n-i); a factor is <= 0 once fewer than k rollouts failed
+    factors = (fails.unsqueeze(1) - torch.arange(k, dtype=torch.float64)).clamp(min=0) / (
+        n - torch.arange(k, dtype=torch.float64)
+    )  # [P, k]
+    return 1.0 - factors.prod(dim=1)
 
 
 def sync_validator(

@@ -251,6 +251,11 @@ class MasterConfig(Strict):
                 f"{block}.stop_at_validation_metric {r.stop_at_validation_metric!r} is not a validation metric; "
                 f"use one of {', '.join(VALIDATION_METRICS)}"
             )
+        if r.val_pass_k is not None and r.val_pass_k > r.val_num_generations_per_prompt:
+            raise ValueError(
+                f"{block}.val_pass_k = {r.val_pass_k} exceeds {block}.val_num_generations_per_prompt = "
+                f"{r.val_num_generations_per_prompt} (pass@k needs at least k rollouts per prompt)"
+            )
         if r.stop_at_validation_metric == "pass_k" and r.val_num_generations_per_prompt <= 1:
             raise ValueError(f"{block}.stop_at_validation_metric 'pass_k' requires val_num_generations_per_prompt > 1")
         if r.max_val_samples % r.val_batch_size and r.max_val_samples > r.val_batch_size:
@@ -279,6 +284,13 @@ class MasterConfig(Strict):
                     "data_plane.backend=memory is in-process and cannot be shared by Ray workers; use ray (the default "
                     "on cluster.executor=ray) or transfer_queue"
                 )
+        if self.checkpointing.save_data_plane and not self.data_plane.enabled:
+            raise ValueError("checkpointing.save_data_plane=true needs data_plane.enabled=true (there is no store)")
+        if self.checkpointing.save_data_plane and self.algorithm == "grpo" and g.async_grpo.enabled:
+            raise ValueError(
+                "checkpointing.save_data_plane=true with grpo.async_grpo.enabled=true: async GRPO checkpoints its "
+                "in-flight rows itself (async_rollouts.safetensors); set save_data_plane=false"
+            )
         if self.data_plane.enabled:
             val_rows = min(r.max_val_samples, r.val_batch_size) * r.val_num_generations_per_prompt
             need = max(r.rows_per_step * (g.batch_multiplier if self.algorithm == "grpo" else 1), val_rows)

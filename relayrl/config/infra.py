@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -209,6 +209,9 @@ class CheckpointingConfig(Strict):
     save_optimizer: bool = True
     """Also save optimizer and LR-scheduler state (policy and PPO critic) so a resume continues exactly; false
     saves weights only and a resume starts the optimizer fresh."""
+    save_data_plane: bool = False
+    """Also save the data plane's store (every partition's rows, tags and claim cursors) into each checkpoint's
+    `data_plane/` directory and load it on resume (`DataPlaneClient.save_checkpoint`); false saves none."""
 
     @model_validator(mode="after")
     def _metric_prefix(self) -> CheckpointingConfig:
@@ -272,3 +275,47 @@ class DataPlaneConfig(Strict):
     """Deadline for starting or attaching to a remote store."""
     num_storage_units: PositiveInt = 2
     """transfer_queue only: storage unit actors started at bootstrap."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nested_blocks(cls, data: Any) -> Any:
+        """NeMo RL's per-backend blocks (`data_plane.simple.{storage_capacity, num_storage_units}`) as the flat keys.
+
+        `simple` is TransferQueue's store, which relayrl replaces with its own: the block applies to whichever
+        backend runs. A block named for a relayrl backend (`memory`, `ray`, `transfer_queue`) applies when that
+        backend is the one selected. A block for a store relayrl lacks (`mooncake_cpu`) is refused, as is a nested
+        key that contradicts its flat twin."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name in [k for k in data if k in NESTED_DATA_PLANE_BLOCKS or k in FOREIGN_DATA_PLANE_BLOCKS]:
+            block = data.pop(name)
+            if name in FOREIGN_DATA_PLANE_BLOCKS:
+                raise ValueError(
+                    f"data_plane.{name}: relayrl has no {name} store (its backends: memory, ray, transfer_queue); "
+                    "remove the block"
+                )
+            if block is None:
+                continue
+            if not isinstance(block, dict):
+                raise ValueError(f"data_plane.{name} must be a mapping of data_plane keys, got {type(block).__name__}")
+            if name != "simple" and data.get("backend") != name:
+                raise ValueError(
+                    f"data_plane.{name} configures the {name} backend, but data_plane.backend is "
+                    f"{data.get('backend', 'unset')!r}; set data_plane.backend={name} or remove the block"
+                )
+            for key, value in block.items():
+                if key not in NESTED_DATA_PLANE_KEYS:
+                    raise ValueError(f"data_plane.{name}.{key}: not a data plane sizing key {NESTED_DATA_PLANE_KEYS}")
+                if key in data and data[key] != value:
+                    raise ValueError(f"data_plane.{name}.{key}={value!r} contradicts data_plane.{key}={data[key]!r}")
+                data[key] = value
+        return data
+
+
+NESTED_DATA_PLANE_BLOCKS = ("simple", "memory", "ray", "transfer_queue")
+"""`data_plane.<block>` names whose keys map onto DataPlaneConfig's flat keys (`simple`: NeMo RL's spelling)."""
+FOREIGN_DATA_PLANE_BLOCKS = ("mooncake_cpu",)
+"""NeMo RL data-plane stores relayrl does not have: a block for one is refused in one line."""
+NESTED_DATA_PLANE_KEYS = ("storage_capacity", "num_storage_units", "call_timeout_s", "init_timeout_s")
+"""The keys a nested block may set."""

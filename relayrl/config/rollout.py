@@ -96,6 +96,9 @@ class RolloutConfig(Strict):
     """Validation prompts rolled out together in one batch."""
     val_num_generations_per_prompt: PositiveInt = 1
     """Rollouts per validation prompt; above 1 validation also reports pass_k (any of them rewarded)."""
+    val_pass_k: PositiveInt | None = None
+    """The k of the pass_k validation metric: the unbiased estimate 1 - C(n-c,k)/C(n,k) over each prompt's n
+    rollouts (c rewarded), averaged over prompts. None: k = val_num_generations_per_prompt (any of them rewarded)."""
     stop_at_validation_metric: str | None = None
     """End the run after a validation where this metric (accuracy, avg_length, num_samples or pass_k) reached
     stop_at_validation_threshold. None: no early stop."""

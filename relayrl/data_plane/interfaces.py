@@ -12,6 +12,7 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -320,6 +321,33 @@ class DataPlaneClient(ABC):
     def keys(self, partition_id: str) -> list[str]:
         """Live keys of a partition in first-put order: what a leak check needs to name the leaked samples."""
         raise NotImplementedError(f"{type(self).__name__} cannot list the keys of a partition")
+
+    def list_sample_ids(self, partition_id: str) -> list[str]:
+        """The sample ids (keys) a partition holds, in first-put order; `UnknownPartitionError` for a partition
+        that is not registered (an empty list would hide a typo in the id)."""
+        return self.keys(partition_id)
+
+    # ------------------------------------------------------------------ checkpoints (snapshot.py)
+    def save_checkpoint(self, checkpoint_dir: str | Path, *, metadata: Mapping[str, Any] | None = None) -> None:
+        """Write every partition (declaration, rows with every field exact, tags, claim cursors) and `metadata`
+        (JSON) to `checkpoint_dir`, atomically. Take it between steps: puts in flight are not included."""
+        from relayrl.data_plane.snapshot import save_store
+
+        save_store(self, Path(checkpoint_dir), dict(metadata or {}))
+
+    def load_checkpoint(self, checkpoint_dir: str | Path) -> dict[str, Any]:
+        """Restore what `save_checkpoint` wrote (its partitions must not hold samples here); returns its metadata."""
+        from relayrl.data_plane.snapshot import load_store
+
+        return load_store(self, Path(checkpoint_dir))
+
+    def export_state(self) -> dict[str, dict[str, Any]]:
+        """Every partition's bookkeeping as plain data (`ledger_state.PartitionState`); backends with a ledger."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export its partitions")
+
+    def restore_state(self, partition_id: str, state: Mapping[str, Any]) -> None:
+        """Recreate a registered, empty partition's keys, schemas, tags and cursors (`ledger_state`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restore a partition")
 
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """`data_plane/*` counters for the trainer's logger (the metered wrapper overrides this); `reset=True`

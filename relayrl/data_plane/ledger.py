@@ -39,6 +39,7 @@ from relayrl.data_plane.interfaces import (
     UnknownTaskError,
     format_keys,
 )
+from relayrl.data_plane.ledger_state import LedgerStateMixin
 
 
 @dataclass
@@ -68,7 +69,7 @@ class _Partition:
         return torch.tensor([self.rows[k] for k in keys], dtype=torch.int64)  # [n]
 
 
-class Ledger:
+class Ledger(LedgerStateMixin):
     """Thread-safe partition bookkeeping implementing the non-tensor half of `DataPlaneClient` (see module doc)."""
 
     def __init__(self, storage_capacity: int = 1_000_000):

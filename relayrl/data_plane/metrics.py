@@ -227,6 +227,12 @@ class MeteredDataPlaneClient(DataPlaneClient):
     def keys(self, partition_id: str) -> list[str]:
         return self.inner.keys(partition_id)
 
+    def export_state(self) -> dict[str, dict[str, Any]]:
+        return self.inner.export_state()
+
+    def restore_state(self, partition_id: str, state: Mapping[str, Any]) -> None:
+        self.inner.restore_state(partition_id, state)
+
     def metrics(self, reset: bool = False) -> dict[str, float]:
         try:
             held: dict[str, int] | None = self.inner.bytes_held()

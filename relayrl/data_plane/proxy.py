@@ -135,3 +135,9 @@ class ProxyClient(DataPlaneClient):
     def keys(self, partition_id: str) -> list[str]:
         """Live keys of a partition in first-put order (leak checks, tests and debugging)."""
         return self._call(Ledger.keys, partition_id)
+
+    def export_state(self) -> dict[str, dict[str, Any]]:
+        return self._call(Ledger.export_state)
+
+    def restore_state(self, partition_id: str, state: Mapping[str, Any]) -> None:
+        self._call(Ledger.restore_state, partition_id, dict(state))

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -56,6 +56,8 @@ MANIFEST_FORMAT = "relayrl-checkpoint-manifest"
 MANIFEST_VERSION = 1
 OWNER_LOCK = LOCK_FILE
 DATALOADER_STATE = "train_dataloader.safetensors"
+DATA_PLANE_DIR = "data_plane"
+"""Directory in step_N/ holding the data plane's store (`checkpointing.save_data_plane`)."""
 RNG_STATE = "rng_state.safetensors"
 #: What older relayrl versions wrote with torch.save (pickles): refused, never loaded.
 LEGACY_PICKLES = ("train_dataloader.pt", "rng_state.pt")
@@ -460,3 +462,37 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------- data plane
+class DataPlaneCheckpointing(Protocol):
+    """The part of `relayrl.data_plane.DataPlaneClient` a trainer checkpoint uses (utils does not import it)."""
+
+    def save_checkpoint(self, checkpoint_dir: str | Path, *, metadata: Mapping[str, Any] | None = None) -> None: ...
+
+    def load_checkpoint(self, checkpoint_dir: str | Path) -> dict[str, Any]: ...
+
+
+def data_plane_client_of(checkpointed: object) -> DataPlaneCheckpointing:
+    """The data-plane client of what a trainer checkpoints: the policy, or the policy of a policy-and-critic pair
+    (they share one store). ValueError when there is none: `save_data_plane` needs a data-plane trainer."""
+    for owner in (checkpointed, getattr(checkpointed, "policy", None)):
+        client = getattr(owner, "dp_client", None)
+        if client is not None:
+            return client  # type: ignore[no-any-return]
+    raise ValueError("checkpointing.save_data_plane=true, but this trainer holds no data plane client")
+
+
+def save_data_plane(client: DataPlaneCheckpointing, step_dir: Path, step: int) -> None:
+    """Write the store into `step_dir/data_plane/` (inside the tmp step directory, so the step's own atomic rename
+    and manifest cover it)."""
+    client.save_checkpoint(step_dir / DATA_PLANE_DIR, metadata={"step": step})
+
+
+def load_data_plane(client: DataPlaneCheckpointing, step_dir: Path) -> bool:
+    """Restore the store saved in `step_dir/data_plane/`; False when that checkpoint has none (saved with
+    `save_data_plane` off: the resume starts with the empty store it always had)."""
+    if not (step_dir / DATA_PLANE_DIR).is_dir():
+        return False
+    client.load_checkpoint(step_dir / DATA_PLANE_DIR)
+    return True

@@ -38,6 +38,7 @@ from relayrl.data_plane.interfaces import (
     UnknownPartitionError,
     UnknownTaskError,
 )
+from tests.unit.data_plane.contract_checkpoint import CHECKPOINT_CHECKS
 
 ClientFactory = Callable[..., DataPlaneClient]
 FIELDS = ["input_ids", "token_mask", "logprobs", "logprobs_bf16", "reward", "grid", "prev_logprobs"]
@@ -466,4 +467,5 @@ CONTRACT_CHECKS: list[Callable[[ClientFactory], None]] = [
     check_claim_meta_waits_for_required_fields,
     check_get_data_needs_fields,
     check_concurrent_puts_and_gets,
+    *CHECKPOINT_CHECKS,
 ]

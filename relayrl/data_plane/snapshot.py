@@ -1,0 +1,116 @@
+"""Data-plane checkpoints: the whole store written to a directory and read back exactly, on every backend.
+
+Why through the client API: the ledger's bookkeeping comes from `export_state` (one call, hosted or not) and the
+tensors from ordinary `get_samples`, so memory, ray and transfer_queue share this one implementation and a
+checkpoint written by one backend loads into another.
+
+Layout of `checkpoint_dir/`:
+
+- `manifest.json`: `format`, `version` (`FORMAT_VERSION`; another version is refused in one line), the caller's
+  `metadata` and the partition ids;
+- `store.safetensors`: every partition's state (declaration, keys in first-put order, schemas, which keys hold
+  each field, tags, claim cursors) and each field's rows as one `Column` (values + lengths), written by
+  `relayrl.utils.state_file` (tensors in safetensors, the rest JSON; nothing is pickled, dtypes and bits exact).
+
+What round-trips, and why it is enough for an exact resume: the rows (every written field of every live key), the
+key order (claims and `list_sample_ids` follow it), the field schemas (a later write of another dtype still
+raises), the tags, and each task's claimed keys (a resumed consumer neither re-claims nor skips a sample).
+Not saved: puts still in flight (checkpoints are taken between steps), the capacity (the resumed config decides)
+and metrics counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relayrl.data_plane.codec import Column
+from relayrl.utils.state_file import CheckpointError, load_state_file, save_state_file
+
+if TYPE_CHECKING:
+    from relayrl.data_plane.interfaces import DataPlaneClient
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "STORE_FILE", "load_store", "save_store"]
+
+FORMAT = "relayrl-data-plane"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORE_FILE = "store.safetensors"
+
+
+def save_store(client: DataPlaneClient, checkpoint_dir: Path, metadata: dict[str, Any]) -> None:
+    """Write the store to `checkpoint_dir` via a sibling temp dir and a rename (an existing one is replaced)."""
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"data plane checkpoint metadata must be JSON (str keys, finite numbers): {e}") from None
+    states = client.export_state()
+    partitions: list[dict[str, Any]] = []
+    for pid, state in states.items():
+        columns: dict[str, dict[str, Any]] = {}
+        for name, keys in state["written"].items():
+            if keys:
+                col = client.get_samples(keys, pid, [name])[name]
+                columns[name] = {"values": col.values, "lengths": col.lengths}
+        partitions.append({"id": pid, "state": state, "columns": columns})
+    checkpoint_dir = checkpoint_dir.absolute()
+    checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoint_dir.with_name(f".{checkpoint_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        save_state_file(tmp / STORE_FILE, {"partitions": partitions})
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "partitions": list(states), "metadata": metadata}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace_dir(tmp, checkpoint_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_store(client: DataPlaneClient, checkpoint_dir: Path) -> dict[str, Any]:
+    """Re-register each saved partition, restore its bookkeeping, put its rows back; returns the metadata."""
+    manifest = read_manifest(checkpoint_dir)
+    raw = load_state_file(checkpoint_dir / STORE_FILE)
+    for part in raw["partitions"]:
+        pid, state = part["id"], part["state"]
+        client.register_partition(
+            pid, state["fields"], int(state["num_samples"]), state["tasks"], state["grpo_group_size"]
+        )
+        client.restore_state(pid, state)
+        for name, col in part["columns"].items():
+            client.put_samples(state["written"][name], pid, {name: Column(col["values"], col["lengths"])})
+    metadata: dict[str, Any] = manifest.get("metadata") or {}
+    return metadata
+
+
+def read_manifest(checkpoint_dir: Path) -> dict[str, Any]:
+    """The manifest, or `CheckpointError` in one line when it is missing, foreign or of another version."""
+    path = checkpoint_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable data plane checkpoint manifest ({type(e).__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a relayrl data plane checkpoint (format {FORMAT!r} expected)")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: data plane checkpoint version {manifest.get('version')!r} is not supported "
+            f"(this relayrl reads version {FORMAT_VERSION})"
+        )
+    return manifest
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Publish `tmp` as `final`; an existing `final` is moved aside first and removed after (no moment without
+    either the old or the new complete directory)."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
