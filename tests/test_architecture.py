@@ -229,10 +229,16 @@ def _is_protocol(node: ast.ClassDef) -> bool:
                for b in node.bases)  # fmt: skip
 
 
+TRAINER_PARTS = ("Steps", "Source")
+"""Name endings of a trainer's step classes and its rollout sources: the classes that must not specialise another."""
+
+
 def algorithms_subclasses(root: Path = ROOT, package: str = PACKAGE) -> list[str]:
     """Classes of relayrl.algorithms modules with a base class defined in a relayrl.algorithms module (Protocols
-    excepted), each as `module.Class (line N) subclasses module.Base`. A base is found by its name: a class of the
-    same module, one imported by `from ... import Name`, or `module.Name` for an imported module."""
+    excepted) where either is a trainer part (a `...Steps` or `...Source` class), each as `module.Class (line N)
+    subclasses module.Base`. A base is found by its name: a class of the same module, one imported by
+    `from ... import Name`, or `module.Name` for an imported module. Plain data holders may specialise a generic
+    base (the set-up's `DataPlaneComponents` is `RunComponents` with the data-plane Protocols)."""
     known = module_names(root, package)
     prefix = f"{package}.algorithms"
     modules = {m: p for m, p in known.items() if m == prefix or m.startswith(prefix + ".")}
@@ -270,7 +276,7 @@ def algorithms_subclasses(root: Path = ROOT, package: str = PACKAGE) -> list[str
                     owner = ast.unparse(b.value)
                     owner = aliases.get(owner, owner)
                     found = f"{owner}.{b.attr}" if b.attr in classes.get(owner, ()) else None
-                if found is not None:
+                if found is not None and (node.name.endswith(TRAINER_PARTS) or found.endswith(TRAINER_PARTS)):
                     bad.append(f"{module}.{node.name} (line {node.lineno}) subclasses {found}")
     return sorted(bad)
 
@@ -479,7 +485,8 @@ def test_checker_reports_upward_imports_math_imports_cycles_and_private_names(tm
 
 def test_checker_reports_algorithms_subclasses(tmp_path: Path) -> None:
     """The shape the asynchronous trainer had (a steps class subclassing the sync one) fails, however the base is
-    named; Protocols composing Protocols, and classes deriving from outside relayrl.algorithms, pass."""
+    named, and so does a rollout source built on a base; Protocols composing Protocols, a data holder specialising
+    another, and classes deriving from outside relayrl.algorithms, pass."""
     pkg = write_tree(
         tmp_path,
         {
@@ -495,6 +502,8 @@ def test_checker_reports_algorithms_subclasses(tmp_path: Path) -> None:
                 "class Aliased(Base):\n    pass\n"
             ),
             "algorithms/ppo.py": "class PPOSteps:\n    pass\n",
+            "algorithms/setup.py": "class Components:\n    pass\n\n\nclass DataPlaneComponents(Components):\n    pass\n",
+            "algorithms/sources.py": ("class Helper:\n    pass\n\n\nclass ActorSource(Helper):\n    pass\n"),
             "algorithms/protocols.py": (
                 "from typing import Protocol\n\n\nclass A(Protocol):\n    pass\n\n\nclass B(A, Protocol):\n    pass\n"
             ),
@@ -508,6 +517,7 @@ def test_checker_reports_algorithms_subclasses(tmp_path: Path) -> None:
         "relayrl.algorithms.replay.Aliased (line 14) subclasses relayrl.algorithms.ppo.PPOSteps",
         "relayrl.algorithms.replay.PPOReplay (line 10) subclasses relayrl.algorithms.ppo.PPOSteps",
         "relayrl.algorithms.replay.Replay (line 6) subclasses relayrl.algorithms.grpo_sync.GRPOSyncSteps",
+        "relayrl.algorithms.sources.ActorSource (line 5) subclasses relayrl.algorithms.sources.Helper",
     ]
 
 

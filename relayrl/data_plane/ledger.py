@@ -43,7 +43,7 @@ from relayrl.data_plane.ledger_state import LedgerStateMixin
 
 
 @dataclass
-class _Partition:
+class PartitionRecord:
     fields: list[str]
     num_samples: int
     tasks: list[str]
@@ -76,7 +76,7 @@ class Ledger(LedgerStateMixin):
         if storage_capacity < 1:
             raise ValueError(f"storage_capacity must be >= 1, got {storage_capacity}")
         self.storage_capacity = storage_capacity
-        self._parts: dict[str, _Partition] = {}
+        self._parts: dict[str, PartitionRecord] = {}
         self._closed = False
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -89,7 +89,7 @@ class Ledger(LedgerStateMixin):
     def _forget(self, partition_id: str, rows: torch.Tensor | None) -> None:
         """Hook: rows `rows` [n] of a partition hold nothing any more (None: no row does). The ledger keeps no data."""
 
-    def _part(self, partition_id: str) -> _Partition:
+    def _part(self, partition_id: str) -> PartitionRecord:
         if self._closed:
             raise DataPlaneClosedError("the data plane store is closed")
         part = self._parts.get(partition_id)
@@ -100,7 +100,7 @@ class Ledger(LedgerStateMixin):
         return part
 
     @staticmethod
-    def _check_declared(part: _Partition, partition_id: str, names: Sequence[str]) -> None:
+    def _check_declared(part: PartitionRecord, partition_id: str, names: Sequence[str]) -> None:
         unknown = [n for n in names if n not in part.fields]
         if unknown:
             raise UnknownFieldError(
@@ -110,7 +110,7 @@ class Ledger(LedgerStateMixin):
     def _held(self) -> int:
         return sum(len(p.rows) + len(p.reserved) for p in self._parts.values())
 
-    def _empty(self, partition_id: str, part: _Partition) -> None:
+    def _empty(self, partition_id: str, part: PartitionRecord) -> None:
         """Drop every sample of a partition; its declaration and field schemas stay. Row ids restart at 0 so a
         long-lived partition's arrays do not grow forever."""
         part.rows.clear()
@@ -149,7 +149,7 @@ class Ledger(LedgerStateMixin):
                     "clear_samples(None, partition_id) before re-registering it"
                 )
             tasks = list(dict.fromkeys(consumer_tasks))
-            self._parts[partition_id] = _Partition(
+            self._parts[partition_id] = PartitionRecord(
                 list(dict.fromkeys(fields)), num_samples, tasks, grpo_group_size, consumed={t: set() for t in tasks}
             )
             self._forget(partition_id, None)
@@ -193,7 +193,7 @@ class Ledger(LedgerStateMixin):
                 self._changed.wait(remaining)
 
     @staticmethod
-    def _ready_keys(part: _Partition, consumed: set[str], required: Sequence[str], limit: int) -> list[str]:
+    def _ready_keys(part: PartitionRecord, consumed: set[str], required: Sequence[str], limit: int) -> list[str]:
         """Up to `limit` live keys, in put order, that the task has not consumed and that hold every required field."""
         cand = [k for k in part.rows if k not in consumed]
         if not cand or not required:
@@ -209,7 +209,7 @@ class Ledger(LedgerStateMixin):
 
     @staticmethod
     def _claimed_meta(
-        part: _Partition, partition_id: str, task: str, required: Sequence[str], keys: list[str]
+        part: PartitionRecord, partition_id: str, task: str, required: Sequence[str], keys: list[str]
     ) -> KVBatchMeta:
         jagged = [n for n in required if part.schema[n].jagged] if keys else []
         lens = part.written[jagged[0]].index_select(0, part.row_ids(keys)).tolist() if jagged else None
@@ -236,7 +236,7 @@ class Ledger(LedgerStateMixin):
             return self._reserve(self._part(partition_id), partition_id, keys, specs)
 
     def _reserve(
-        self, part: _Partition, partition_id: str, keys: list[str], specs: Mapping[str, FieldSpec]
+        self, part: PartitionRecord, partition_id: str, keys: list[str], specs: Mapping[str, FieldSpec]
     ) -> tuple[list[str], list[str]]:
         self._check_declared(part, partition_id, list(specs))
         for name, spec in specs.items():
@@ -276,7 +276,7 @@ class Ledger(LedgerStateMixin):
 
     @staticmethod
     def _publish(
-        part: _Partition, keys: list[str], lengths: Mapping[str, torch.Tensor | None], tags: Sequence[Tags] | None
+        part: PartitionRecord, keys: list[str], lengths: Mapping[str, torch.Tensor | None], tags: Sequence[Tags] | None
     ) -> torch.Tensor:
         """Row ids for new keys, written marks, tags; returns the put's row ids `[n]` in key order."""
         new_keys = [k for k in keys if k not in part.rows]
@@ -324,7 +324,9 @@ class Ledger(LedgerStateMixin):
             self._rows_for_get(part, partition_id, keys, names)
             return {name: part.schema[name] for name in names}
 
-    def _rows_for_get(self, part: _Partition, partition_id: str, keys: list[str], names: list[str]) -> torch.Tensor:
+    def _rows_for_get(
+        self, part: PartitionRecord, partition_id: str, keys: list[str], names: list[str]
+    ) -> torch.Tensor:
         """Row ids `[n]` of `keys` once every key is live and every field in `names` written for all of them."""
         self._check_declared(part, partition_id, names)
         row_list = [part.rows.get(k, -1) for k in keys]

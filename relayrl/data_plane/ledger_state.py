@@ -21,7 +21,7 @@ from relayrl.data_plane.codec import FieldSpec
 from relayrl.data_plane.interfaces import CapacityExceededError, DataPlaneClosedError, UnknownFieldError
 
 if TYPE_CHECKING:
-    from relayrl.data_plane.ledger import _Partition
+    from relayrl.data_plane.ledger import PartitionRecord
 
 PartitionState = dict[str, Any]
 """One partition: `fields`, `num_samples`, `tasks`, `grpo_group_size` (its declaration), `keys` (live keys in
@@ -33,7 +33,7 @@ class LedgerStateMixin:
     """`export_state` / `restore_state` for `Ledger` (see module doc). Puts still in flight are not exported: they
     are not visible yet, and a checkpoint is taken between steps, when none is."""
 
-    _parts: dict[str, _Partition]
+    _parts: dict[str, PartitionRecord]
     _lock: threading.RLock
     _changed: threading.Condition
     _closed: bool
@@ -41,7 +41,7 @@ class LedgerStateMixin:
 
     if TYPE_CHECKING:  # provided by Ledger
 
-        def _part(self, partition_id: str) -> _Partition: ...
+        def _part(self, partition_id: str) -> PartitionRecord: ...
 
         def _held(self) -> int: ...
 
