@@ -6,7 +6,8 @@ contiguous block of rows with its rows of U, and stitches the results back into 
 weights and its row of U). The generator's state is the one `get_rng_state` / `set_rng_state` save and restore,
 so a resumed run samples exactly what the uninterrupted one would have.
 
-`prepare_for_generation` refits the workers whenever the policy's `weights_version` moved (§1.3, §5.7-5.9):
+`prepare_for_generation` refits the workers whenever the policy's `weights_version` moved, so no rollout samples
+from weights older than the policy's:
 
 * colocated (`policy.generation.colocated.enabled`): one generation worker per policy rank; the policy offloads
   its optimizer state (`offload_before_refit`), every training rank streams its weights over ZMQ IPC to the
