@@ -59,7 +59,7 @@ TQ_NAMESPACE = "transfer_queue"
 LEDGER_NAME = "relayrl_tq_ledger"
 DEFAULT_NUM_STORAGE_UNITS = 2
 DEFAULT_INIT_TIMEOUT_S = 300.0
-"""Measured 10-40 s on a loaded 2-core box (three actor processes each import torch)."""
+"""A wide margin: starting takes tens of seconds on a loaded machine (three actor processes each import torch)."""
 _CPU_WAIT_S = 15.0
 
 R = TypeVar("R")
