@@ -14,5 +14,6 @@ data-plane, side by side; `dynamic_sampling` is `grpo_sync`'s filter on metadata
 rows from a `protocols.RolloutSource`: `rollout_sources` (`ActorSource`, generated for the step),
 `producer_source` (`ProducerSource`, made ahead by asynchronous GRPO's producer: `grpo_async` builds it,
 `async_rollouts` and `async_state` run and checkpoint the producer) or `replay` (`RecordedSource`). `recording` is the
-flight recorder's trainer side; `evaluate`, `parity` and `replay` serve the CLI.
+flight recorder's trainer side; `preflight` the checks run before any model loads; `api` the Python entry point
+(`relayrl.train`); `evaluate`, `parity` and `replay` serve the CLI.
 """

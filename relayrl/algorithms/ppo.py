@@ -1,6 +1,6 @@
 """PPO, legacy path: actor-critic training with GAE; every rollout tensor travels through the driver.
 
-The step follows the reference order (§6.5): repeat → generate → rewards (scaling/shaping, overlong filtering) →
+The step follows the reference's (NeMo RL's) order: repeat → generate → rewards (scaling/shaping, overlong filtering) →
 loss masks on every assistant message → values → prev/reference logprobs → logprob-error masking → advantages and
 returns → `ppo_epochs` × (critic update, then actor update unless in critic warm-up) → validate → checkpoint (policy
 and critic) → log `train/*` and `critic/*`. The loop, validation and step tail are every trainer's (`runner.py`,

@@ -87,7 +87,7 @@ class Checkpointable(Protocol):
 
 
 class KvCalibrator(Protocol):
-    """A policy that measures its attention inputs for an FP8 KV cache (`fp8_kv`, reference §5.6)."""
+    """A policy that measures its attention inputs for an FP8 KV cache (`fp8_kv`)."""
 
     def calibrate_qkv_fp8_scales(
         self,

@@ -255,7 +255,7 @@ def rollout_in_driver(
 class KvScaleSync:
     """FP8 KV cache (`policy.generation.kv_cache_dtype=fp8`): the policy's calibrated scales follow its weights.
 
-    As the reference does (§1.3 steps 4 and 16, §5.6), the policy calibrates (`include_q=True`) before the first
+    As the reference (NeMo RL) does, the policy calibrates (`include_q=True`) before the first
     refit, on the prompts about to be rolled out (or the first validation batch when validation comes first), and
     after every training step, on the sequences it just trained on. `set_kv_scales` hands the `layers` dict to the
     engine, which sends it with its next refit: in the collective broadcast (`broadcast_weights_for_collective(

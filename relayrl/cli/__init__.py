@@ -1,2 +1,3 @@
-"""The `relayrl` command: argument parsing, one-line errors, and dispatch to `relayrl.algorithms` (the top layer:
-it may import anything in the package; nothing imports it)."""
+"""The `relayrl` command: `main` (argument parsing and dispatch to `relayrl.algorithms`), `common` (the one-line
+error), and the subcommands that need more than a dispatch: `export`, `replay`, `diff`, `inspect_run`. The top
+layer: it may import anything in the package; nothing imports it."""

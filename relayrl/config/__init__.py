@@ -4,8 +4,9 @@ Key names follow the reference system (`policy.model_name`, `grpo.num_prompts_pe
 `checkpointing.save_period`, `data_plane.*`) so its users feel at home. Unknown keys and bad values are rejected
 with the dotted key named. This package imports neither torch nor ray, so validation and `--help` stay fast.
 
-The schema lives in four modules (`base`, `policy`, `rollout`, `infra`); this one holds `MasterConfig`, the cross-field
-checks, and re-exports every block so `from relayrl.config import X` names any of them.
+The schema lives in four modules (`base`, `policy`, `rollout`, `infra`); this one holds `MasterConfig`, the
+cross-field checks, and re-exports every block so `from relayrl.config import X` names any of them. Before
+validation `nemo_layout` reads NeMo RL's key layout into relayrl's, resolving `${...}` with `interpolation`.
 """
 
 from __future__ import annotations

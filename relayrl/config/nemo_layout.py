@@ -1,4 +1,4 @@
-"""NeMo RL's config layout (its `grpo_math_1B.yaml`, reference algorithms.md §2) read into relayrl's.
+"""NeMo RL's config layout (the one its `grpo_math_1B.yaml` uses) read into relayrl's.
 
 The config loader runs `translate_nemo_layout` on every raw config before pydantic validation. Every rule acts on a
 key only NeMo RL's layout has, so a relayrl config passes through unchanged. Each such key ends one of three ways:

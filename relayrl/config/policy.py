@@ -64,7 +64,7 @@ class GenerationConfig(Strict):
     """Whether generation shares the training workers (and how to place it when it does not)."""
     native_cpu_decode: bool = True
     """On CPU, run each decode step of a float32 llama-family model as one compiled call (built with the system C++
-    compiler on first use, ~15 s, cached under ~/.cache/relayrl); falls back to PyTorch ops when it cannot be built."""
+    compiler once, on first use, cached under ~/.cache/relayrl); falls back to PyTorch ops when it cannot be built."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """KV-cache storage during generation. `auto`: the model's dtype (float32 on CPU). `fp8`: float8 e4m3
     (torch.float8_e4m3fn, 1 byte per value) holding k / k_scale and v / v_scale per layer, multiplied back on every

@@ -1,10 +1,11 @@
 """The pickled form of `KVBatchMeta`: the handle crosses the driver and Ray on every dispatch, so it travels small.
 
-A naive pickle of a 128-row step handle is ~9 KB (13% of what the step writes to the store on the shipped task):
-128 keys of ~35 characters, and per-row tag dicts. Keys minted as `f"{uid}_g{i}"` share their uid across a prompt's
-generations, and tags are columns of numbers, so the wire form stores each distinct uid once with small integer
-indices, and tags and sequence lengths as packed arrays. Decoding gives back an equal handle (same keys in the
-same order, same tags, same types); anything that does not fit the compact layout is pickled as it is.
+A naive pickle of a step handle (every key in full, and per-row tag dicts) is a visible share of what the step
+writes to the store on short sequences (docs/design.md has the figures). Keys minted as `f"{uid}_g{i}"` share
+their uid across a prompt's generations, and tags are columns of numbers, so the wire form stores each distinct
+uid once with small integer indices, and tags and sequence lengths as packed arrays. Decoding gives back an equal
+handle (same keys in the same order, same tags, same types); anything that does not fit the compact layout is
+pickled as it is.
 """
 
 from __future__ import annotations

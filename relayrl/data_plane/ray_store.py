@@ -72,8 +72,8 @@ class StoreActor(LedgerHost):
 
     def __init__(self, storage_capacity: int, torch_threads: int = 1):
         # The store only copies and gathers; concurrency comes from serving several callers at once. Intra-op
-        # threads on top of that fight over the cores (a 1 MB clone measured 30-100x slower with 2 threads on a
-        # busy 2-core box).
+        # threads on top of that fight over the cores and make each copy many times slower on a busy machine
+        # (docs/design.md, CPU performance).
         torch.set_num_threads(torch_threads)
         super().__init__(storage_capacity)
 

@@ -1,7 +1,7 @@
 """The `transfer_queue` backend: an adapter over the `transferqueue` package (the only module that imports it).
 
 TransferQueue (TQ) keeps the bulk data (a controller actor + `SimpleStorage` unit actors, ZMQ between them). On its
-own it is lenient where our contract is strict, so this adapter compensates (see transferqueue-measured.md §5):
+own it answers silently in each case below where our contract is strict, so this adapter compensates:
 
 - partial gets (missing keys dropped), empty results for unknown or half-written fields, silent dtype truncation
   after a dtype change, keys left registered by a failed put, no capacity total, no partial or ordered claims:
@@ -59,7 +59,7 @@ TQ_NAMESPACE = "transfer_queue"
 LEDGER_NAME = "relayrl_tq_ledger"
 DEFAULT_NUM_STORAGE_UNITS = 2
 DEFAULT_INIT_TIMEOUT_S = 300.0
-"""Measured 10-40 s on a loaded 2-core box (three actor processes each import torch)."""
+"""A wide margin: starting takes tens of seconds on a loaded machine (three actor processes each import torch)."""
 _CPU_WAIT_S = 15.0
 
 R = TypeVar("R")

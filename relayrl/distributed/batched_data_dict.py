@@ -82,7 +82,7 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
     def repeat_interleave(self, num_repeats: int) -> BatchedDataDict[T]:
         """Each row repeated `num_repeats` times contiguously; list items are deep-copied so they can diverge.
 
-        (Plain dicts, lists, tensors and scalars are copied structurally, ~10x faster than `copy.deepcopy` on
+        (Plain dicts, lists, tensors and scalars are copied structurally, far faster than `copy.deepcopy` on
         message logs; aliasing *within* one item is not preserved, anything else goes through deepcopy.)"""
         out: BatchedDataDict[T] = type(self)()
         for k, v in self.items():

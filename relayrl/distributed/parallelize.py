@@ -1,7 +1,7 @@
 """Data-parallel wrapping of a worker's model, chosen by config (`<policy|value>.data_parallel.strategy`).
 
-Every strategy keeps the loss normalisation of reference §3.9: each micro-batch loss is a partial sum of the
-global-batch mean, so the gradient of the global mean is the *sum* of the ranks' gradients.
+Every strategy keeps one loss normalisation, so the choice never changes the result: each micro-batch loss is a
+partial sum of the global-batch mean, so the gradient of the global mean is the *sum* of the ranks' gradients.
 
 * `manual` (default): plain module; `models/optim.py` sums the gradients with one flat all-reduce over the worker's
   `Collective` before clipping. Works on every executor (in-process threads included).
@@ -15,7 +15,7 @@ global-batch mean, so the gradient of the global mean is the *sum* of the ranks'
   it in place (its identity, shared with a colocated engine, is kept).
 
 DDP and FSDP2 reduce inside backward, so every rank must run the same micro-batches: a micro-batch without a valid
-sample still runs, with its loss multiplied by 0 (reference §3.9, "dummy micro-batches"), and is not recorded.
+sample still runs, with its loss multiplied by 0, and is not recorded.
 Both need a torch.distributed process group per worker group (the Ray executor: gloo on CPU, nccl on GPU); with one
 rank there is nothing to reduce and every strategy runs as `manual`.
 """

@@ -1,4 +1,4 @@
-"""Weight refit from training workers to separate generation workers (issue 6, §5.8 / §5.9).
+"""Weight refit from training workers to generation workers that hold their own copy of the network.
 
 Two transports, both driven by a manifest `{name: (shape, dtype)}` (`refit_info`) that the generation side gets
 once (`prepare_refit_info`) and then uses to cut received bytes back into tensors:

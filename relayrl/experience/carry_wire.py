@@ -1,8 +1,9 @@
 """The wire form of the driver carry: what a rollout actually sends to the driver each step, and its size.
 
 The data-plane trainer promises that only per-row scalars and metadata cross the driver, at most a few percent of
-what the step writes to the store. With short sequences (the shipped arithmetic task: ~22 tokens a row) a plain
-carry of int64/float32 columns is already ~4% of the store bytes, so the carry travels in its smallest exact form:
+what the step writes to the store. With short sequences (the shipped arithmetic task) a plain carry of
+int64/float32 columns is already a visible share of the store bytes (docs/design.md has the figures), so the carry
+travels in its smallest exact form:
 
 * 0/1 columns (binary reward, loss multiplier, truncated flag) as bits of one `uint8` per row;
 * columns constant within each prompt group (the prompt's group id and length) once per prompt, not per row;

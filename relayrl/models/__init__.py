@@ -12,6 +12,8 @@ One copy of each mechanism:
 - `policy/` the causal-LM policy, `value/` the PPO critic, each a worker + façade over the shared bases, plus
   their data-plane variants; `generation/` the generation engines; `fast/` the CPU fast path; `tiny` the embedded
   tiny model.
+- `microbatch`: sequence packing and dynamic batching (how a rank cuts its rows into micro-batches); `fp8_kv` the
+  FP8 KV-cache scale names and arithmetic shared by calibration and generation.
 
 Imports allowed: relayrl.algorithms' pure math modules (advantages, gae, loss_functions, value_loss,
 logprob_error, reward_functions, utils, interfaces), relayrl.data_plane, relayrl.distributed, relayrl.utils and

@@ -2,7 +2,7 @@
 
 Calibration (`PolicyWorker.calibrate_qkv_fp8_scales`) watches the tensors every attention call receives, i.e. q, k
 and v after the q/k norms (qwen3) and RoPE, exactly what the KV cache stores; `observe_attention_inputs` puts an
-observer in front of the model's own attention function for the duration. The result (§5.6 of the reference) is
+observer in front of the model's own attention function for the duration. The result is
 `{"format": "fp8", "percentile": p, "margin": m, "layers": {name: scale}}` with the reference's (vLLM's) names:
 
     model.layers.N.self_attn.attn.q_scale   (only with include_q)

@@ -144,7 +144,7 @@ class _Tally:
 def train_global_batches(
     replica: TrainingReplica, data: BatchedDataDict, loss: MicrobatchLoss, call: TrainCall
 ) -> dict[str, Any]:
-    """One train() call (reference §3.9), shared by the policy and value workers.
+    """One train() call, shared by the policy and value workers.
 
     One optimizer step per global batch; counts of valid sequences and tokens are summed over ranks, so every
     micro-batch `loss` is a partial sum of the global-batch mean; the scheduler steps once per call. Callers own

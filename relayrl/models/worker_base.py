@@ -231,7 +231,7 @@ class ModelWorker:
     def train(
         self, data: BatchedDataDict, loss_fn: LossFunction, eval_mode: bool, gbs: int, mbs: int
     ) -> dict[str, Any]:
-        """§3.9: one optimizer step per global batch of `gbs` rows (this rank holds gbs / world of them)."""
+        """One optimizer step per global batch of `gbs` rows (this rank holds gbs / world of them)."""
         if not eval_mode and (self.optimizer is None or self.scheduler is None):
             raise RuntimeError(f"train() needs an optimizer but the {self.owner} was built with init_optimizer=False")
         device = self._model_device()

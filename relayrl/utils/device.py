@@ -103,9 +103,9 @@ def retain_freed_heap_memory() -> bool:
     """Keep freed tensor buffers of up to 32 MiB mapped for reuse (glibc); returns whether the setting is in effect.
 
     Why: glibc's defaults hand multi-MB blocks back to the OS when they are freed (mmap threshold, heap trimming),
-    so a CPU training step page-faults its activation buffers in again every time: ~2,500 faults per step at the
-    TRL-benchmark shape, ~10 ms of a 110 ms training pass. The same idea as running PyTorch on CPU under jemalloc or
-    tcmalloc, without preloading a library. Process-wide, set once; a no-op off glibc.
+    so a CPU training step page-faults its activation buffers in again every time (docs/design.md has the cost at
+    the shape of `bench/trl_vs_relayrl.py`). The same idea as running PyTorch on CPU under jemalloc or tcmalloc,
+    without preloading a library. Process-wide, set once; a no-op off glibc.
     """
     global _heap_retained
     if _heap_retained is None:

@@ -218,8 +218,8 @@ class FastDecoder:
         """As `_decode_attention` (bias [b * Hkv, 1, T] here), as three batched matmul-level ops.
 
         For one query per row the CPU SDPA kernel spends more on its blocking set-up than on the arithmetic; scores
-        by baddbmm, softmax, then bmm take ~25% less per call at the bench's shape. Values agree with SDPA to float32
-        rounding (~1e-7), not bitwise."""
+        by baddbmm, softmax, then bmm take less per call at the bench's shape (docs/design.md). Values agree with
+        SDPA to float32 rounding (~1e-7), not bitwise."""
         b, hkv, g, d = q.shape
         t = k.shape[2]
         q3, k3, v3 = q.reshape(b * hkv, g, d), k.reshape(b * hkv, t, d), v.reshape(b * hkv, t, d)

@@ -2,10 +2,10 @@
 
 The log-prob, reference and training passes only need the final hidden states of every *real* token. At the
 bench shape (32 rows x ~75 tokens, hidden 128) these passes are bound by matmul FLOPs, not by HF's per-call Python
-overhead (about 2 ms of a 60 ms pass), so the saving has to come from doing less arithmetic. `backbone_hidden_states`
-runs the model's own parameter tensors (autograd flows into the HF module's parameters; nothing is copied or
-cached) through the same ops and dtypes as the HF modules, with two changes that leave every real token's result
-unchanged:
+overhead (a small share of the pass; docs/design.md), so the saving has to come from doing less arithmetic.
+`backbone_hidden_states` runs the model's own parameter tensors (autograd flows into the HF module's parameters;
+nothing is copied or cached) through the same ops and dtypes as the HF modules, with two changes that leave every
+real token's result unchanged:
 
 * Packing: embeddings, norms, projections, RoPE and the MLP run on the N real tokens only ([N, H] instead of
   [B, S, H]); only attention sees the padded [B, heads, S, D] layout.

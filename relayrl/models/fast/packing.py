@@ -111,7 +111,7 @@ class SharedPacking:
 
 
 #: A separate attention call pays for itself once it saves about this many padded query-key pairs per row and head
-#: (the dispatch and gathers of one CPU attention call, ~30 us, cost about as much as 64 x 64 pairs of head size 32).
+#: (the dispatch and gathers of one CPU attention call cost about as much as 64 x 64 pairs of head size 32).
 GROUP_CALL_PAIRS = 64 * 64
 
 

@@ -1,30 +1,16 @@
 """DistributedGeneration: the driver's generation engine over a group of `GenerationWorker`s (Ray or in-process).
 
-`generate` draws the sampling uniforms `U [B, N]` once from the façade's own generator, hands each worker a
-contiguous block of rows with its rows of U, and stitches the results back into the `GenerationOutputSpec` an
-`HfGeneration` would return for the whole batch (same tokens: a row's sample depends only on its prompt, the
-weights and its row of U). The generator's state is the one `get_rng_state` / `set_rng_state` save and restore,
-so a resumed run samples exactly what the uninterrupted one would have.
+`generate` draws the sampling uniforms `U [B, N]` once from the façade's own generator and hands each worker a
+contiguous block of rows with their rows of U, so the stitched `GenerationOutputSpec` is what an `HfGeneration`
+would return for the whole batch (a row's sample depends only on its prompt, the weights and its row of U), and
+`get_rng_state` / `set_rng_state` let a resumed run sample exactly what the uninterrupted one would have.
 
-`prepare_for_generation` refits the workers whenever the policy's `weights_version` moved (§1.3, §5.7-5.9):
-
-* colocated (`policy.generation.colocated.enabled`): one generation worker per policy rank; the policy offloads
-  its optimizer state (`offload_before_refit`), every training rank streams its weights over ZMQ IPC to the
-  generation worker of its host and local rank while the workers receive, then `offload_after_refit`;
-* not colocated: `colocated.resources` dedicated workers joined with the training ranks in one weight-update
-  group at construction; training rank 0 broadcasts and every worker receives, concurrently.
-
-Refit time and bytes are kept as `refit/*` metrics (`refit_metrics()`).
-
-Asynchronous GRPO on Ray (`snapshot_copy`): a second engine over the same dedicated workers, with its own sampling
-generator, refitted only by `load_weights` from a published snapshot of an older weights version (never by the
-collective, which needs the training ranks). Whichever engine loaded the workers last holds them (a shared box), so
-the driver's engine refits again after the producer loaded other weights, and vice versa.
-
-FP8 KV cache (`kv_cache_dtype=fp8`, `requires_kv_scale_sync`): the driver hands the policy's calibrated scales to
-`set_kv_scales` and the next refit carries them: in the collective broadcast
-(`broadcast_weights_for_collective(kv_scales)`), or, colocated (the IPC stream takes weights only), in a call to
-every worker right after it. New scales for weights the workers already hold go out by that call alone.
+`prepare_for_generation` refits the workers whenever the policy's `weights_version` moved, so no rollout samples
+from weights older than the policy's: colocated, every training rank streams its weights over ZMQ IPC to the worker
+of its host and local rank; not colocated, training rank 0 broadcasts to the dedicated workers in one weight-update
+group. Refit time and bytes are kept as `refit/*` metrics (`refit_metrics()`). How a refit is ordered, how
+asynchronous GRPO's second engine (`snapshot_copy`) shares the workers, and how FP8 KV scales travel with a refit:
+docs/design.md.
 """
 
 from __future__ import annotations

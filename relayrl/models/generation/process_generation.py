@@ -15,9 +15,8 @@ reported with its exit code.
 
 A refit goes through one shared-memory copy of the weights made at start (`_Staging`): this side copies the snapshot
 into it, the child copies it into its engine. Sending the snapshot itself would move every tensor into a fresh
-shared-memory segment on each refit (allocate, fault in, copy, map in the child, unmap): at 25M parameters that was
-0.11 s a refit, 0.08 s of it CPU in the trainer's process, against 0.045 s and 0.01 s staged
-(`bench/process_refit.py`), and it grows with the model.
+shared-memory segment on each refit (allocate, fault in, copy, map in the child, unmap): more than twice the staged
+wall time and several times its CPU in the trainer's process, growing with the model (`bench/process_refit.py`).
 """
 
 from __future__ import annotations

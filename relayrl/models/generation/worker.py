@@ -2,7 +2,7 @@
 
 On the Ray executor the policy's weights live in other processes, so generation cannot read them in place as the
 local colocated engine does. Each worker loads the network from the policy config once, runs an `HfGeneration`
-over it, and receives the trained weights after every optimizer step (§5.8 / §5.9):
+over it, and receives the trained weights after every optimizer step, by one of two transports:
 
 * colocated: from the training rank with the same local rank on the same host, over ZMQ IPC
   (`update_weights_via_ipc_zmq`);

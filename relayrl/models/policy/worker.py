@@ -345,7 +345,7 @@ class PolicyWorker(ModelWorker):
     def calibrate_qkv_fp8_scales(
         self, data: BatchedDataDict, micro_batch_size: int | None, percentile: float, margin: float, include_q: bool
     ) -> dict[str, Any]:
-        """Per-layer FP8 scales of the attention inputs, as the reference computes them (§5.6).
+        """Per-layer FP8 scales of the attention inputs, as the reference (NeMo RL) computes them.
 
         Every attention call of HF's forward shows its q, k, v (after the q/k norms and RoPE: what the KV cache
         holds) to an observer, which keeps max |t| over the micro-batch's real tokens (padding positions are not

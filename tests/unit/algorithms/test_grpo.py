@@ -1,4 +1,4 @@
-"""Phase functions of the legacy GRPO trainer (reference §4.1, §10.4)."""
+"""Phase functions of the legacy GRPO trainer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The legacy PPO loop (reference §6.5, §10.2 items 41-42) on a real tiny policy and critic.
+"""The legacy PPO loop on a real tiny policy and critic.
 
 Generation is scripted (which rows end properly and which run out of tokens is fixed per row) so that overlong
 filtering is exercised deterministically; the policy, the critic, their losses and the trainer are the real ones.
@@ -202,7 +202,7 @@ def test_all_truncated_batch_raises(tmp_path, tiny_model_dir, char_tokenizer):
 
 
 def test_train_data_masks_every_assistant_message(char_tokenizer):
-    """Assistant messages are trained even without generation logprobs (reference §6.5 step 4), unlike GRPO."""
+    """Assistant messages are trained even without generation logprobs, unlike GRPO."""
     tok = char_tokenizer
     ids = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     log = [

@@ -33,7 +33,7 @@ def test_tq_contract(check: Callable[[Callable[..., DataPlaneClient]], None], ma
 
 
 def test_tq_silent_behaviours_are_compensated(make_client: Callable[..., DataPlaneClient]) -> None:
-    """Each case below is one where bare TransferQueue answers silently (transferqueue-measured.md §5)."""
+    """Each case below is one where bare TransferQueue answers silently and the adapter refuses or repairs."""
     import transfer_queue as tq
 
     c = make_client()
