@@ -95,12 +95,12 @@ def translate_data(t: Rules, section: str) -> None:
         data["train"] = data["train"][0]
     prompts: dict[str, tuple[str, str | None]] = {}  # relayrl key -> (NeMo key, text)
     for part in ("train", "validation"):
-        entry = data.get(part)
-        if entry is None or (part == "validation" and not _is_nemo_entry(entry) and not default):
+        given = data.get(part)
+        if given is None or (part == "validation" and not _is_nemo_entry(given) and not default):
             continue
-        if not isinstance(entry, dict):
+        if not isinstance(given, dict):
             raise NemoLayoutError(f"data.{part} must be a mapping of dataset settings", f"data.{part}")
-        data[part] = _entry(t, f"data.{part}", {**default, **entry}, set(entry), section, prompts)
+        data[part] = _entry(t, f"data.{part}", {**default, **given}, set(given), section, prompts)
     for target, (source, text) in prompts.items():
         if text is not None:
             t.put(target, text, source)

@@ -158,14 +158,11 @@ class _Translator(Rules):
                     f"relayrl has no {what} parallelism; set 1 (scale with cluster.gpus_per_node: data parallelism)",
                     met="met: 1 (relayrl has no model parallelism)",
                 )
-            self.require(f"{d}.dp_replicate_size", _ONE, "relayrl has no HSDP replication; set 1", met="met: 1")
-            self.require(f"{d}.custom_parallel_plan", (None,), "relayrl has no tensor parallelism; set null", met="met")
             self.require(
-                f"{d}.model_save_format",
-                ("safetensors", None),
-                "relayrl writes safetensors checkpoints only",
-                met="met",
+                f"{d}.dp_replicate_size", _ONE, "relayrl has no HSDP replication; set 1", met="met: 1 (no replication)"
             )
+            self.require(f"{d}.custom_parallel_plan", (None,), "relayrl has no tensor parallelism; set null")
+            self.require(f"{d}.model_save_format", ("safetensors", None), "relayrl writes safetensors checkpoints only")
             self.drop(f"{d}.save_consolidated")  # relayrl's checkpoints are consolidated Hugging Face directories
             self.block(f"{d}.lora_cfg", why=f"relayrl's LoRA is policy.lora; set {d}.lora_cfg.enabled=false")
             for key in list(self.get(d)):
@@ -194,7 +191,7 @@ class _Translator(Rules):
         if isinstance(rm, dict) and rm.get("reward_model_type", "regression") != "regression":
             raise NemoLayoutError(f"{v}.reward_model_cfg.reward_model_type: relayrl's critic is a regression head", v)
         self.drop(f"{v}.reward_model_cfg")
-        self.require(f"{v}.make_sequence_length_divisible_by", _ONE, "relayrl pads to no multiple; set 1", met="met")
+        self.require(f"{v}.make_sequence_length_divisible_by", _ONE, "relayrl pads to no multiple; set 1")
         self.move("value_loss_fn.cliprange", "value_loss_fn.value_clip")
 
     def _scheduler(self, key: str) -> None:
@@ -304,13 +301,13 @@ class _Translator(Rules):
         off = "; set it false (relayrl's PPO samples every batch once)"
         self.drop(f"{r}.use_dynamic_sampling", allowed=_OFF, why="relayrl's dynamic sampling is GRPO's" + off)
         self.drop(f"{r}.dynamic_sampling_max_gen_batches")  # read only by dynamic sampling, which is off here
-        self.require(f"{r}.batch_multiplier", _ONE, "relayrl's PPO draws num_prompts_per_step prompts; set 1", "met")
+        self.require(f"{r}.batch_multiplier", _ONE, "relayrl's PPO draws num_prompts_per_step prompts; set 1")
         self.block(
             f"{r}.async_ppo",
             why="relayrl's asynchronous trainer is GRPO's (grpo.async_grpo); set ppo.async_ppo.enabled=false",
         )
         epochs = self.get(f"{r}.ppo_epochs", 1)
-        self.require(f"{r}.critic_ppo_epochs", (None, epochs), f"relayrl trains the critic {r}.ppo_epochs times", "met")
+        self.require(f"{r}.critic_ppo_epochs", (None, epochs), f"relayrl trains the critic {r}.ppo_epochs times")
         self.drop(f"{r}.warm_start_value_checkpoint", allowed=(None,), why="relayrl starts the critic fresh; set null")
 
     def _data(self) -> None:
