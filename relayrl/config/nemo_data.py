@@ -79,6 +79,10 @@ def translate_data(t: Rules, section: str) -> None:
                 target = data[entry] = {}
             target[key] = value
             t.mapped[f"data.{flat}"] = f"data.{entry}.{key} (NeMo RL's older flat layout)"
+    if isinstance(data.get("train"), list):
+        if len(data["train"]) != 1:
+            raise NemoLayoutError("data.train: relayrl trains on one dataset; give one entry (or merge them)")
+        data["train"] = data["train"][0]
     default = data.get("default")
     nemo = default is not None or any(_is_nemo_entry(data.get(k)) for k in ("train", "validation"))
     if not nemo:
@@ -89,10 +93,6 @@ def translate_data(t: Rules, section: str) -> None:
     for key in default:
         if key not in _ENTRY_KEYS:
             raise NemoLayoutError(f"unknown config key: data.default.{key}", f"data.default.{key}")
-    if isinstance(data.get("train"), list):
-        if len(data["train"]) != 1:
-            raise NemoLayoutError("data.train: relayrl trains on one dataset; give one entry (or merge them)")
-        data["train"] = data["train"][0]
     prompts: dict[str, tuple[str, str | None]] = {}  # relayrl key -> (NeMo key, text)
     for part in ("train", "validation"):
         given = data.get(part)
