@@ -132,10 +132,16 @@ def test_nemo_prompt_files_become_relayrl_templates() -> None:
         ({"train": {"dataset_name": "AIME2025"}}, "data.train.dataset_name='AIME2025': NeMo RL joins two subsets"),
         ({"train": {"dataset_name": "squad"}}, "data.train.dataset_name='squad': relayrl knows NeMo RL's"),
         ({"train": {"dataset_name": "gsm8k"}, "default": {"processor": "sft_processor"}}, "data.default.processor="),
-        ({"train": {"dataset_name": "gsm8k", "env_name": "code"}}, "data.train.env_name='code': relayrl's environments"),
+        (
+            {"train": {"dataset_name": "gsm8k", "env_name": "code"}},
+            "data.train.env_name='code': relayrl's environments",
+        ),
         ({"train": [{"dataset_name": "gsm8k"}, {"dataset_name": "DeepScaler"}]}, "data.train: relayrl trains on one"),
         ({"train": {"input_key": "q"}, "default": {}}, "data.train: neither dataset_name nor data_path is set"),
-        ({"train": {"dataset_name": "gsm8k", "prompt_file": "/nonexistent/cot.txt"}}, "data.train.prompt_file: no such"),
+        (
+            {"train": {"dataset_name": "gsm8k", "prompt_file": "/nonexistent/cot.txt"}},
+            "data.train.prompt_file: no such",
+        ),
     ],
 )
 def test_what_relayrl_cannot_honour_is_refused_in_one_line(data: dict[str, Any], line: str) -> None:
