@@ -9,14 +9,70 @@ honour (several training datasets, another processor or environment) is refused 
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from pathlib import Path
 from typing import Any
 
 from relayrl.config.nemo_base import OFF, NemoLayoutError, Rules
-from relayrl.config.nemo_datasets import NAMED_DATASETS, UNSUPPORTED_NAMES
 
-__all__ = ["translate_data"]
+__all__ = ["NAMED_DATASETS", "UNSUPPORTED_NAMES", "NamedDataset", "nemo_prompt_template", "translate_data"]
+
+
+# ---------------------------------------------------------------------------------------------------- named datasets
+# NeMo RL's registry gives each name a Hugging Face id, a split and the columns its wrapper reads; relayrl reads the
+# same rows through `datasets.load_dataset` with its fields set to those columns (docs/nemo_rl_configs.md's table).
+@dataclasses.dataclass(frozen=True)
+class NamedDataset:
+    hf_id: str
+    """The Hugging Face dataset id passed to `datasets.load_dataset`."""
+    split: str
+    """The split NeMo RL's wrapper reads."""
+    prompt_field: str
+    """The column holding the problem (dotted for a nested one: `prompt.0.content`)."""
+    answer_field: str
+    """The column holding the reference answer (dotted for a nested one)."""
+    subset: str | None = None
+    """The dataset's configuration name, when it has several."""
+    answer_after: str | None = None
+    """Keep only the answer text after this marker (GSM8K's `####`)."""
+    note: str = ""
+    """How NeMo RL's wrapper differs from reading the rows once, for the docs."""
+
+    def relayrl(self) -> dict[str, Any]:
+        """This dataset as relayrl's `data.train` / `data.validation` block."""
+        out: dict[str, Any] = {"source": "hf", "path": self.hf_id, "split": self.split}
+        out.update(prompt_field=self.prompt_field, answer_field=self.answer_field, task_field=None)
+        if self.subset is not None:
+            out["subset"] = self.subset
+        if self.answer_after is not None:
+            out["answer_after"] = self.answer_after
+        return out
+
+
+_DAPO = {"prompt_field": "prompt.0.content", "answer_field": "reward_model.ground_truth"}
+_REPEAT = "NeMo RL repeats it 16 times; relayrl reads it once (val_num_generations_per_prompt samples repeatedly)"
+
+#: NeMo RL dataset_name -> where relayrl reads the same rows.
+NAMED_DATASETS: dict[str, NamedDataset] = {
+    "OpenMathInstruct-2": NamedDataset("nvidia/OpenMathInstruct-2", "train_1M", "problem", "expected_answer"),
+    "DeepScaler": NamedDataset("agentica-org/DeepScaleR-Preview-Dataset", "train", "problem", "answer"),
+    "DAPOMath17K": NamedDataset("BytedTsinghua-SIA/DAPO-Math-17k", "train", **_DAPO),
+    "DAPOMathAIME2024": NamedDataset("BytedTsinghua-SIA/AIME-2024", "train", **_DAPO),
+    "gsm8k": NamedDataset("openai/gsm8k", "train", "question", "answer", subset="main", answer_after="####"),
+    "GSM8K": NamedDataset("openai/gsm8k", "train", "question", "answer", subset="main", answer_after="####"),
+    "AIME2024": NamedDataset("HuggingFaceH4/aime_2024", "train", "problem", "answer", note=_REPEAT),
+    "AIME2026": NamedDataset("MathArena/aime_2026", "train", "problem", "answer", note=_REPEAT),
+    "math500": NamedDataset("HuggingFaceH4/MATH-500", "test", "problem", "answer", note=_REPEAT),
+}
+
+#: Names NeMo RL knows whose rows relayrl cannot read as one split, with the reason given.
+UNSUPPORTED_NAMES: dict[str, str] = {
+    "AIME2025": "NeMo RL joins two subsets of opencompass/AIME2025; save them as one file and use ResponseDataset",
+}
+
+
+# ---------------------------------------------------------------------------------------------------- data block
 
 #: Keys of a NeMo RL dataset entry (after `data.default` is merged in).
 _ENTRY_KEYS = frozenset(

@@ -9,9 +9,11 @@ key only NeMo RL's layout has, so a relayrl config passes through unchanged. Eac
 * not used: it only describes something relayrl does not have (vLLM, Megatron, DTensor sharding, GPU monitors, ...)
   and cannot change results: dropped, and named in the one "not used by relayrl: ..." line (`Translation.unused`);
 * refused: a value that would change results and relayrl cannot honour (LoRA, tensor parallelism, a Megatron
-  backend, a Hugging Face dataset name): `NemoLayoutError`, one line naming the key and the fix.
+  backend, async PPO): `NemoLayoutError`, one line naming the key and the fix.
 
-Keys in neither layout are left for pydantic, which refuses them as unknown. docs/nemo_rl_configs.md has the table.
+The `data` block has its own module (`nemo_data`: named datasets, ResponseDataset, `data.default`), the primitives
+and their records theirs (`nemo_base`), and `nemo_show` classifies every key for `relayrl config show`. Keys in
+neither layout are left for pydantic, which refuses them as unknown. docs/nemo_rl_configs.md has the tables.
 """
 
 from __future__ import annotations

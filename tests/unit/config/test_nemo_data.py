@@ -15,8 +15,7 @@ import pytest
 
 from relayrl.config import MasterConfig
 from relayrl.config.nemo_base import NemoLayoutError
-from relayrl.config.nemo_data import nemo_prompt_template
-from relayrl.config.nemo_datasets import NAMED_DATASETS
+from relayrl.config.nemo_data import NAMED_DATASETS, nemo_prompt_template
 from relayrl.config.nemo_layout import translate_nemo_layout
 from relayrl.experience.data import load_records, records_from_rows
 
