@@ -104,3 +104,17 @@ def test_config_show_names_every_refused_key_not_only_the_first(capsys) -> None:
         "policy.megatron_cfg.enabled",
     ]
     assert captured.err.count("\n") == 1 and captured.err.startswith("relayrl: error: ")
+
+
+def test_a_named_dataset_offline_and_not_cached_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch) -> None:
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty_cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    run_dir = tmp_path / "run"
+    argv = ["train", "--config", str(FIXTURES / "grpo_math_1B.yaml"), "--run-dir", str(run_dir)]
+    assert main([*argv, *(f"grpo.{o}" for o in SMALL), *COMMON]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("not used by relayrl")]
+    assert len(err) == 1 and "'nvidia/OpenMathInstruct-2'" in err[0] and str(tmp_path / "empty_cache") in err[0]
+    assert not run_dir.exists()
