@@ -104,6 +104,11 @@ class _Translator(Rules):
         self._data()
         if self.cfg != before or self.unused:  # a NeMo RL config: its `chat_template: null` means concatenation
             self._length_cap()
+            period = f"{self.section}.val_period"
+            if isinstance(self.get(period), int) and self.get(period) < 0:  # NeMo RL's "no periodic validation"
+                self.pop(period)
+                self.put(period, 0, period)
+                self.mapped[period] = f"{period}: 0 (no periodic validation, as NeMo RL's negative value means)"
             tok = "policy.tokenizer.chat_template"
             if self.has(tok) and self.get(tok) is None:
                 self.pop(tok)
@@ -120,6 +125,12 @@ class _Translator(Rules):
             "checkpointing.model_save_format", ("safetensors", None), "relayrl writes safetensors checkpoints only"
         )
         self.require("checkpointing.save_consolidated", (True, False), "must be true or false")  # always consolidated
+        self.require(
+            "checkpointing.resume_if_exists",
+            (True, None),
+            "relayrl resumes a run directory that holds checkpoints; give a new --run-dir to start fresh",
+            met="met: relayrl resumes a run directory that holds checkpoints",
+        )
         self.drop(
             *(f"checkpointing.{k}" for k in ("ft_save_period", "ft_keep_latest_k", "pretrained_checkpoint")),
             *(f"checkpointing.{k}" for k in ("model_cache_dir", "model_repo_id", "is_peft", "peft_config")),

@@ -1,5 +1,5 @@
-"""Configs in the layout of NeMo RL's own examples (grpo_math_1B, the DeepScaleR recipe and its data-plane variant,
-ppo_math_1B; written for these tests under tests/fixtures/nemo_rl) train two steps on the shipped model with only
+"""Configs in the layout of NeMo RL's own examples (grpo_math_1B, grpo_smoke, the DeepScaleR recipe and its
+data-plane variant, ppo_math_1B; written for these tests under tests/fixtures/nemo_rl) train two steps on the shipped model with only
 the data swapped for a local file in NeMo RL's ResponseDataset keys, and `config show` classifies every key."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ COMMON = [
 #: example -> (rollout block, how its data is swapped: the same layout the example names its dataset in)
 EXAMPLES = {
     "grpo_math_1B": ("grpo", ["data.train.dataset_name=ResponseDataset", "data.train.data_path={file}"]),
+    "grpo_smoke": ("grpo", ["data.train.dataset_name=ResponseDataset", "data.train.data_path={file}"]),
     "grpo-deepscaler-1.5b-8K": ("grpo", ["data.dataset_name=ResponseDataset", "data.train_data_path={file}"]),
     "grpo-deepscaler-1.5b-8K-tq_simple": ("grpo", ["data.dataset_name=ResponseDataset", "data.train_data_path={file}"]),
     "ppo_math_1B": (
