@@ -13,6 +13,7 @@ import pytest
 from relayrl.cli.main import main
 from relayrl.utils import config_io
 from tests.helpers import metrics_rows
+from tests.hf_cache import offline_cache, save_to_cache
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_rl"
 #: Two small steps, in NeMo RL's layout (cluster.gpus_per_node): the examples' sizes are for a GPU cluster.
@@ -119,3 +120,15 @@ def test_a_named_dataset_offline_and_not_cached_is_one_line_and_exit_2(tmp_path,
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("not used by relayrl")]
     assert len(err) == 1 and "'nvidia/OpenMathInstruct-2'" in err[0] and str(tmp_path / "empty_cache") in err[0]
     assert not run_dir.exists()
+
+
+def test_grpo_smoke_trains_on_its_named_hub_dataset_from_the_cache(tmp_path, capsys, monkeypatch) -> None:
+    """No data swapped: `dataset_name: gsm8k` is read from a Hugging Face cache in tmp, offline."""
+    cache = offline_cache(tmp_path / "hf", monkeypatch)
+    rows = [{"question": f"{a}+{b}", "answer": f"{a} plus {b} #### {a + b}"} for a in range(10, 15) for b in range(8)]
+    save_to_cache(cache, "openai/gsm8k", "main", "train", rows)
+    run_dir = tmp_path / "run"
+    argv = ["train", "--config", str(FIXTURES / "grpo_smoke.yaml"), "--run-dir", str(run_dir)]
+    assert main([*argv, *(f"grpo.{o}" for o in SMALL), *COMMON]) == 0
+    train = [r for r in metrics_rows(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train)

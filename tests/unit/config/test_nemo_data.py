@@ -4,10 +4,7 @@ prompt files filled as NeMo RL fills them, and one-line refusals for what relayr
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,7 @@ from relayrl.config.nemo_base import NemoLayoutError
 from relayrl.config.nemo_data import NAMED_DATASETS, nemo_prompt_template
 from relayrl.config.nemo_layout import translate_nemo_layout
 from relayrl.experience.data import load_records, records_from_rows
+from tests.hf_cache import offline_cache, save_to_cache
 
 NEMO = {"policy": {"dtensor_cfg": {"enabled": True}}}  # marks the NeMo RL layout
 
@@ -28,31 +26,10 @@ def load(raw: dict[str, Any]) -> MasterConfig:
 
 @pytest.fixture
 def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A Hugging Face cache in tmp holding `openai/gsm8k` (config `main`, split `train`), as load_dataset leaves
-    it; HF_HOME / HF_DATASETS_CACHE point there and the Hub is offline."""
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from datasets.packaged_modules.parquet.parquet import Parquet
-
-    cache = tmp_path / "hf" / "datasets"
-    for name, value in (("HF_HOME", str(tmp_path / "hf")), ("HF_DATASETS_CACHE", str(cache))):
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    """A Hugging Face cache in tmp holding `openai/gsm8k` (config `main`, split `train`); the Hub is offline."""
+    cache = offline_cache(tmp_path / "hf", monkeypatch)
     rows = [{"question": "What is 1+1?", "answer": "One and one. #### 2"}, {"question": "2+5?", "answer": "#### 7"}]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
-    builder = Parquet(
-        cache_dir=str(cache), dataset_name="openai___gsm8k", config_name="main", hash="0" * 16,
-        data_files={"train": str(tmp_path / "rows.parquet")},
-    )  # fmt: skip
-    builder.download_and_prepare()
-    root = cache / "openai___gsm8k"  # where load_dataset looks: <cache>/<org>___<name>/<config>/<version>/<hash>
-    for config_dir in glob.glob(str(root / "main-*")):
-        shutil.move(config_dir, root / "main")
-    for arrow in glob.glob(str(root / "main" / "*" / "*" / "*.arrow")):
-        os.rename(arrow, arrow.replace("openai___gsm8k-", "gsm8k-"))
+    save_to_cache(cache, "openai/gsm8k", "main", "train", rows)
     return cache
 
 
