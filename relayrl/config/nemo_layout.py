@@ -192,7 +192,8 @@ class _Translator(Rules):
             return
         self._model(v)
         tok = self.get(f"{v}.tokenizer")
-        if isinstance(tok, dict):
+        nemo = any(self.has(k) for k in (*_NEMO_MARKERS, "value.megatron_cfg", "value.reward_model_cfg"))
+        if isinstance(tok, dict) and nemo:  # relayrl's own layout refuses value.tokenizer in its validation
             same = tok.get("name") in (None, self.get(f"{v}.model_name"), self.get("policy.tokenizer.name"))
             if not same or tok.get("chat_template_kwargs") is not None or set(tok) - {"name", "chat_template_kwargs"}:
                 raise NemoLayoutError(
