@@ -91,6 +91,13 @@ _FLAT = {
     "prompt_file": ("default", "prompt_file"),
     "system_prompt_file": ("default", "system_prompt_file"),
 }
+#: ResponseDataset's keys -> the relayrl dataset key each becomes.
+_RESPONSE_KEYS = {
+    "dataset_name": "source",
+    "data_path": "path",
+    "input_key": "prompt_field",
+    "output_key": "answer_field",
+}
 _ENVS = {"math": "math", "reward_model": "reward_model"}  # NeMo RL env_name -> relayrl task
 
 
@@ -198,11 +205,9 @@ def _entry(
         for k in ("split", "subset"):
             if merged.get(k) is not None:
                 out[k] = merged[k]
-        for k in ("data_path", "input_key", "output_key", "dataset_name"):
+        for k, target in _RESPONSE_KEYS.items():
             if k in merged:
-                t.mapped[where(k)] = f"{key}." + {"data_path": "path", "input_key": "prompt_field"}.get(
-                    k, "answer_field" if k == "output_key" else "source"
-                )
+                t.mapped[where(k)] = f"{key}.{target}"
     else:
         known = ", ".join(NAMED_DATASETS)
         raise NemoLayoutError(
