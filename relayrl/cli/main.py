@@ -103,13 +103,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from relayrl.utils.config_io import describe_config
+    """The resolved config with its descriptions; a config in NeMo RL's layout is preceded by what relayrl does with
+    each of its keys (mapped, not used, refused), every refused key named even though loading stops at the first."""
+    from relayrl.config.nemo_show import classify_keys, format_classification
+    from relayrl.utils import config_io
 
+    try:
+        raw = config_io._read_yaml(Path(args.config)) if args.config else {}
+        for item in args.overrides:
+            config_io.set_override(raw, *config_io.parse_override(item))
+    except ConfigError as exc:
+        return _fail(str(exc))
+    rows, nemo = classify_keys(raw, config_io.validate_config)
+    if nemo:
+        sys.stdout.write(format_classification(rows))
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         return _fail(str(exc))
-    sys.stdout.write(describe_config(cfg))
+    sys.stdout.write(config_io.describe_config(cfg))
     return 0
 
 

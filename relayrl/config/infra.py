@@ -44,7 +44,11 @@ class DatasetConfig(Strict):
     prompt_template); wins over prompt_field when a row has it."""
     answer_field: str = "answer"
     """Field holding the reference answer: required by rows the math verifier scores, optional otherwise (reward
-    functions receive it, like every other column, as a keyword argument)."""
+    functions receive it, like every other column, as a keyword argument). Here and in prompt_field a dotted name
+    (`reward_model.ground_truth`, `prompt.0.content`) reads a nested column when no column has that exact name."""
+    answer_after: str | None = None
+    """Keep only the answer text after the last occurrence of this marker, stripped (GSM8K's answers end in
+    `#### 42`); None: the answer as the row gives it."""
     task_field: str | None = "task"
     """Field naming a row's task (the environment that scores it, e.g. `math`, `reward_model`); None, or a row
     without it, means default_task."""
@@ -78,8 +82,10 @@ class DataConfig(Strict):
 class MathEnvConfig(Strict):
     """`env.math`: the verifier that scores `math` tasks 1 (answer matches the ground truth) or 0."""
 
-    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
-    """Answer checker; `hf_math_verify` (the math-verify package, run in a child process) is the only one."""
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
+    """Answer checker. `hf_math_verify`: the last `\\boxed{}` of the response against the ground truth, by the
+    math-verify package in a child process. `dapo_math_verify`: DAPO's check, the last `Answer: ...` line in the
+    response's final 300 characters string-equal to the ground truth after both are normalised (no sympy)."""
     timeout_s: PositiveFloat = 5.0
     """Per answer: a verification running longer is killed and scores 0 (counted as num_verify_timeouts)."""
     batch_timeout_s: PositiveFloat = 60.0

@@ -9,48 +9,36 @@ key only NeMo RL's layout has, so a relayrl config passes through unchanged. Eac
 * not used: it only describes something relayrl does not have (vLLM, Megatron, DTensor sharding, GPU monitors, ...)
   and cannot change results: dropped, and named in the one "not used by relayrl: ..." line (`Translation.unused`);
 * refused: a value that would change results and relayrl cannot honour (LoRA, tensor parallelism, a Megatron
-  backend, a Hugging Face dataset name): `NemoLayoutError`, one line naming the key and the fix.
+  backend, async PPO): `NemoLayoutError`, one line naming the key and the fix.
 
-Keys in neither layout are left for pydantic, which refuses them as unknown. docs/nemo_rl_configs.md has the table.
+The `data` block has its own module (`nemo_data`: named datasets, ResponseDataset, `data.default`), the primitives
+and their records theirs (`nemo_base`), and `nemo_show` classifies every key for `relayrl config show`. Keys in
+neither layout are left for pydantic, which refuses them as unknown. docs/nemo_rl_configs.md has the tables.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-from pathlib import Path
 from typing import Any
 
 from relayrl.config.interpolation import has_interpolation, resolve_interpolations
+from relayrl.config.nemo_base import OFF as _OFF
+from relayrl.config.nemo_base import NemoLayoutError, Rules, Translation
+from relayrl.config.nemo_data import translate_data
 
 __all__ = ["NemoLayoutError", "Translation", "notice_line", "translate_nemo_layout"]
 
 #: NeMo RL's `tokenizer.chat_template: null`: the message contents concatenated, no template markup.
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-_OFF: tuple[Any, ...] = (None, False, 0, {}, [], "")  # a feature left off
 _ONE = (None, 1)  # a parallel size that means "none"
 _LR = "torch.optim.lr_scheduler."
 #: NeMo RL's `policy.dtensor_cfg` keys that only describe its DTensor sharding (accepted as not used).
 _DTENSOR_KEYS = frozenset(
     "_v2 enabled cpu_offload sequence_parallel automodel_kwargs expert_parallel_size defer_fsdp_grad_sync "
-    "moe_parallelizer env_vars clear_cache_every_n_steps".split()
+    "moe_parallelizer env_vars clear_cache_every_n_steps single_rank_consolidation consolidation_timeout_minutes".split()
 )
-
-
-#: `get`'s default when `has` asks: no config value is this object.
-_ABSENT = object()
-
-
-class NemoLayoutError(ValueError):
-    """A NeMo RL key whose value would change results and relayrl cannot honour (one line: the key and the fix)."""
-
-
-@dataclasses.dataclass
-class Translation:
-    config: dict[str, Any]
-    """The config in relayrl's layout (still to be validated)."""
-    unused: list[str]
-    """NeMo RL keys accepted and not used, in the order met (a block is named once)."""
+#: Keys whose presence marks a NeMo RL config (relayrl has none of them): there `ppo:` alone means algorithm ppo.
+_NEMO_MARKERS = ("policy.dtensor_cfg", "policy.megatron_cfg", "cluster.gpus_per_node", "value.dtensor_cfg")
 
 
 def notice_line(unused: list[str]) -> str:
@@ -71,89 +59,39 @@ def notice_line(unused: list[str]) -> str:
 
 def translate_nemo_layout(raw: dict[str, Any]) -> Translation:
     """`raw` with NeMo RL's keys mapped or dropped (see the module docstring); raises NemoLayoutError."""
+    cfg = resolved(raw)
+    t = _Translator(cfg)
+    t.run()
+    return Translation(t.cfg, t.unused, t.mapped)
+
+
+def resolved(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `raw` with its `${...}` interpolations resolved (NemoLayoutError naming a bad one)."""
     cfg = copy.deepcopy(raw)
     if has_interpolation(cfg):
         try:
             cfg = resolve_interpolations(cfg)
         except ValueError as exc:
             raise NemoLayoutError(str(exc)) from None
-    t = _Translator(cfg)
-    t.run()
-    return Translation(t.cfg, t.unused)
+    return cfg
 
 
-class _Translator:
+def _section(cfg: dict[str, Any]) -> str:
+    """The rollout block: `algorithm`, else ppo for a NeMo RL config holding only a `ppo:` block (NeMo RL has no
+    `algorithm` key: its PPO examples are recognised by that block)."""
+    if "algorithm" in cfg:
+        return str(cfg["algorithm"])
+    probe = Rules(cfg)
+    if "ppo" in cfg and "grpo" not in cfg and any(probe.has(k) for k in _NEMO_MARKERS):
+        cfg["algorithm"] = "ppo"
+        return "ppo"
+    return "grpo"
+
+
+class _Translator(Rules):
     def __init__(self, cfg: dict[str, Any]) -> None:
-        self.cfg = cfg
-        self.unused: list[str] = []
-        self.section = str(cfg.get("algorithm", "grpo"))  # the rollout block: grpo or ppo
-
-    # ------------------------------------------------------------------ primitives
-    def has(self, key: str) -> bool:
-        return self.get(key, _ABSENT) is not _ABSENT
-
-    def get(self, key: str, default: Any = None) -> Any:
-        node: Any = self.cfg
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return default
-            node = node[part]
-        return node
-
-    def pop(self, key: str) -> Any:
-        *parents, leaf = key.split(".")
-        node: Any = self.cfg
-        for part in parents:
-            node = node[part]
-        return node.pop(leaf)
-
-    def put(self, key: str, value: Any, source: str) -> None:
-        """Set relayrl's `key` from NeMo RL's `source`, unless the config already sets it to something else."""
-        if self.has(key) and self.get(key) != value:
-            raise NemoLayoutError(f"{source} ({value!r}) and {key} ({self.get(key)!r}) disagree; set one of them")
-        *parents, leaf = key.split(".")
-        node = self.cfg
-        for part in parents:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        node[leaf] = value
-
-    def move(self, source: str, target: str) -> None:
-        if self.has(source):
-            self.put(target, self.pop(source), source)
-
-    def drop(self, *keys: str, allowed: tuple[Any, ...] | None = None, why: str = "") -> None:
-        """Accept `keys` as not used (any value, or only `allowed` ones: another is refused with `why`)."""
-        for key in keys:
-            if not self.has(key):
-                continue
-            value = self.get(key)
-            if allowed is not None and value not in allowed:
-                raise NemoLayoutError(f"{key}={value!r}: {why}")
-            self.pop(key)
-            self.unused.append(key)
-
-    def block(self, key: str, *, enabled: str = "enabled", why: str = "") -> None:
-        """A whole block relayrl lacks: not used while its `enabled` flag is off, refused when on."""
-        if not self.has(key):
-            return
-        value = self.get(key)
-        if isinstance(value, dict) and value.get(enabled) not in _OFF:
-            raise NemoLayoutError(f"{key}.{enabled}=true: {why}")
-        if not isinstance(value, dict) and value not in _OFF:
-            raise NemoLayoutError(f"{key} is set: {why}")
-        self.pop(key)
-        self.unused.append(key)
-
-    def require(self, key: str, allowed: tuple[Any, ...], why: str) -> None:
-        """A key relayrl honours only at `allowed` values (where it needs no key of its own): dropped there."""
-        if self.has(key):
-            value = self.get(key)
-            if value not in allowed:
-                raise NemoLayoutError(f"{key}={value!r}: {why}")
-            self.pop(key)
+        super().__init__(cfg)
+        self.section = _section(cfg)  # the rollout block: grpo or ppo
 
     # ------------------------------------------------------------------ rules
     def run(self) -> None:
@@ -162,8 +100,15 @@ class _Translator:
         self._policy()
         self._generation()
         self._rollout()
+        self._value()
         self._data()
         if self.cfg != before or self.unused:  # a NeMo RL config: its `chat_template: null` means concatenation
+            self._length_cap()
+            period = f"{self.section}.val_period"
+            if isinstance(self.get(period), int) and self.get(period) < 0:  # NeMo RL's "no periodic validation"
+                self.pop(period)
+                self.put(period, 0, period)
+                self.mapped[period] = f"{period}: 0 (no periodic validation, as NeMo RL's negative value means)"
             tok = "policy.tokenizer.chat_template"
             if self.has(tok) and self.get(tok) is None:
                 self.pop(tok)
@@ -176,8 +121,16 @@ class _Translator:
         self.drop("cluster.master_port_range_low", "cluster.master_port_range_high", "cluster.segment_size")
         self.drop("logger.monitor_gpus", "logger.gpu_monitoring", "logger.swanlab_enabled", "logger.swanlab")
         self.drop("logger.tensorboard", "logger.wandb.log_nemo_gym_full_result_tables")
-        self.require("checkpointing.model_save_format", ("safetensors",), "relayrl writes safetensors checkpoints only")
+        self.require(  # null: NeMo RL's own default, which relayrl's safetensors checkpoints are too
+            "checkpointing.model_save_format", ("safetensors", None), "relayrl writes safetensors checkpoints only"
+        )
         self.require("checkpointing.save_consolidated", (True, False), "must be true or false")  # always consolidated
+        self.require(
+            "checkpointing.resume_if_exists",
+            (True, None),
+            "relayrl resumes a run directory that holds checkpoints; give a new --run-dir to start fresh",
+            met="met: relayrl resumes a run directory that holds checkpoints",
+        )
         self.drop(
             *(f"checkpointing.{k}" for k in ("ft_save_period", "ft_keep_latest_k", "pretrained_checkpoint")),
             *(f"checkpointing.{k}" for k in ("model_cache_dir", "model_repo_id", "is_peft", "peft_config")),
@@ -201,9 +154,13 @@ class _Translator:
     def _policy(self) -> None:
         p = "policy"
         self.drop(f"{p}.tokenizer.use_fastokens", f"{p}.generation_batch_size", f"{p}.offload_optimizer_for_logprob")
-        self.drop(f"{p}.optimizer.kwargs.foreach", f"{p}.optimizer.kwargs.fused")
-        self.block(f"{p}.megatron_cfg", why="relayrl has no Megatron backend; use policy.dtensor_cfg (or remove both)")
         self.block(f"{p}.draft", why="relayrl trains no Eagle draft model; set policy.draft.enabled=false")
+        self._model(p)
+
+    def _model(self, p: str) -> None:
+        """What the policy and (PPO) value blocks share: the DTensor and Megatron blocks, optimizer and schedule."""
+        self.drop(f"{p}.optimizer.kwargs.foreach", f"{p}.optimizer.kwargs.fused")  # kernels only: same numbers
+        self.block(f"{p}.megatron_cfg", why=f"relayrl has no Megatron backend; use {p}.dtensor_cfg (or remove both)")
         d = f"{p}.dtensor_cfg"
         if self.has(d):
             self.move(f"{d}.activation_checkpointing", f"{p}.activation_checkpointing")
@@ -212,16 +169,44 @@ class _Translator:
                     f"{d}.{what}_parallel_size",
                     _ONE,
                     f"relayrl has no {what} parallelism; set 1 (scale with cluster.gpus_per_node: data parallelism)",
+                    met="met: 1 (relayrl has no model parallelism)",
                 )
-            self.require(f"{d}.dp_replicate_size", _ONE, "relayrl has no HSDP replication; set 1")
+            self.require(
+                f"{d}.dp_replicate_size", _ONE, "relayrl has no HSDP replication; set 1", met="met: 1 (no replication)"
+            )
             self.require(f"{d}.custom_parallel_plan", (None,), "relayrl has no tensor parallelism; set null")
-            self.block(f"{d}.lora_cfg", why="relayrl has no LoRA; set policy.dtensor_cfg.lora_cfg.enabled=false")
+            self.require(f"{d}.model_save_format", ("safetensors", None), "relayrl writes safetensors checkpoints only")
+            self.drop(f"{d}.save_consolidated")  # relayrl's checkpoints are consolidated Hugging Face directories
+            self.block(f"{d}.lora_cfg", why=f"relayrl's LoRA is policy.lora; set {d}.lora_cfg.enabled=false")
             for key in list(self.get(d)):
                 if key not in _DTENSOR_KEYS:  # in neither layout
-                    raise NemoLayoutError(f"unknown config key: {d}.{key}")
+                    raise NemoLayoutError(f"unknown config key: {d}.{key}", f"{d}.{key}")
                 self.drop(f"{d}.{key}")
             self.pop(d)
         self._scheduler(f"{p}.scheduler")
+
+    def _value(self) -> None:
+        """PPO's critic in NeMo RL's layout: its tokenizer is the policy's, its head a regression (relayrl's)."""
+        v = "value"
+        if self.section != "ppo" or not isinstance(self.get(v), dict):
+            return
+        self._model(v)
+        tok = self.get(f"{v}.tokenizer")
+        nemo = any(self.has(k) for k in (*_NEMO_MARKERS, "value.megatron_cfg", "value.reward_model_cfg"))
+        if isinstance(tok, dict) and nemo:  # relayrl's own layout refuses value.tokenizer in its validation
+            same = tok.get("name") in (None, self.get(f"{v}.model_name"), self.get("policy.tokenizer.name"))
+            if not same or tok.get("chat_template_kwargs") is not None or set(tok) - {"name", "chat_template_kwargs"}:
+                raise NemoLayoutError(
+                    f"{v}.tokenizer: the critic scores the policy's token ids with policy.tokenizer; remove it", v
+                )
+            self.pop(f"{v}.tokenizer")
+            self.mapped[f"{v}.tokenizer"] = "met: the critic reads the policy's tokens"
+        rm = self.get(f"{v}.reward_model_cfg")
+        if isinstance(rm, dict) and rm.get("reward_model_type", "regression") != "regression":
+            raise NemoLayoutError(f"{v}.reward_model_cfg.reward_model_type: relayrl's critic is a regression head", v)
+        self.drop(f"{v}.reward_model_cfg")
+        self.require(f"{v}.make_sequence_length_divisible_by", _ONE, "relayrl pads to no multiple; set 1")
+        self.move("value_loss_fn.cliprange", "value_loss_fn.value_clip")
 
     def _scheduler(self, key: str) -> None:
         """NeMo RL's torch scheduler list (LinearLR warm-up, then ConstantLR at factor 1) as relayrl's warm-up."""
@@ -231,7 +216,7 @@ class _Translator:
             return
         why = (
             f"{key}: relayrl's schedule is a linear warm-up (LinearLR to end_factor 1.0) then constant or cosine; "
-            "write it as policy.scheduler.{name, warmup_steps, warmup_start_factor}"
+            f"write it as {key}" + ".{name, warmup_steps, warmup_start_factor}"
         )
         milestones = [it["milestones"] for it in items if isinstance(it, dict) and "milestones" in it]
         steps = [it for it in items if isinstance(it, dict) and "milestones" not in it]
@@ -320,32 +305,42 @@ class _Translator:
         self.drop(f"{a}.recompute_kv_cache_after_weight_updates")
         if self.get(a) is None and self.has(a):  # the reference's "no async" spelling
             self.pop(a)
+        if r == "ppo":
+            self._ppo()
+
+    def _ppo(self) -> None:
+        """NeMo RL's PPO keys: dynamic sampling and async PPO are GRPO-only in relayrl, so they are accepted while
+        off and refused when on; the critic's epochs must be the policy's (relayrl updates both ppo_epochs times)."""
+        r = "ppo"
+        off = "; set it false (relayrl's PPO samples every batch once)"
+        self.drop(f"{r}.use_dynamic_sampling", allowed=_OFF, why="relayrl's dynamic sampling is GRPO's" + off)
+        self.drop(f"{r}.dynamic_sampling_max_gen_batches")  # read only by dynamic sampling, which is off here
+        self.require(f"{r}.batch_multiplier", _ONE, "relayrl's PPO draws num_prompts_per_step prompts; set 1")
+        self.block(
+            f"{r}.async_ppo",
+            why="relayrl's asynchronous trainer is GRPO's (grpo.async_grpo); set ppo.async_ppo.enabled=false",
+        )
+        epochs = self.get(f"{r}.ppo_epochs", 1)
+        self.require(f"{r}.critic_ppo_epochs", (None, epochs), f"relayrl trains the critic {r}.ppo_epochs times")
+        self.drop(f"{r}.warm_start_value_checkpoint", allowed=(None,), why="relayrl starts the critic fresh; set null")
 
     def _data(self) -> None:
-        if self.has("data.train.dataset_name"):
-            raise NemoLayoutError(
-                f"data.train.dataset_name={self.get('data.train.dataset_name')!r}: relayrl reads local files; set "
-                "data.train.source=file and data.train.path (or remove data.train for the built-in arithmetic task)"
-            )
+        self.drop("data.use_multiple_dataloader", allowed=_OFF, why="relayrl has one train loader; set false")
+        translate_data(self, self.section)
         seed = self.get(f"{self.section}.seed", 42)
         self.drop("data.train.seed", allowed=(seed,), why=f"relayrl splits with {self.section}.seed; make them equal")
-        self.drop("data.use_multiple_dataloader", allowed=_OFF, why="relayrl has one train loader; set false")
-        d = "data.default"
-        if not self.has(d):
+
+    def _length_cap(self) -> None:
+        """NeMo RL's `max_new_tokens` is a cap (its examples set it to the whole sequence length): generation stops
+        at policy.max_total_sequence_length either way. relayrl caps each row there too and needs max_new_tokens
+        below it, so a cap at or above the length becomes length - 1, and prompts may take up to that many tokens
+        unless data.max_input_seq_length says otherwise."""
+        key, total = "policy.generation.max_new_tokens", int(self.get("policy.max_total_sequence_length", 64))
+        if not self.has(key) or int(self.get(key)) < total:
             return
-        for key, target in (("prompt_file", "data.prompt_template"), ("system_prompt_file", "data.system_prompt")):
-            path = self.get(f"{d}.{key}")
-            if path is not None:
-                if not Path(str(path)).expanduser().is_file():
-                    raise NemoLayoutError(f"{d}.{key}: no such file {path}")
-                text = Path(str(path)).expanduser().read_text()
-                self.put(target, text.replace("{}", "{problem}") if key == "prompt_file" else text, f"{d}.{key}")
-            if self.has(f"{d}.{key}"):
-                self.pop(f"{d}.{key}")
-        self.require(
-            f"{d}.processor", ("math_hf_data_processor",), "relayrl renders prompts as math_hf_data_processor does"
-        )
-        if self.has(f"{d}.env_name"):
-            self.put("data.train.default_task", self.pop(f"{d}.env_name"), f"{d}.env_name")
-        if self.get(d) == {}:
-            self.pop(d)
+        self.pop(key)
+        self.put(key, total - 1, key)
+        self.mapped[key] = f"{key}: {total - 1} (a cap at the sequence length, as NeMo RL means it)"
+        limit = self.get("data.max_input_seq_length")
+        if limit is None or int(limit) >= total:
+            self.cfg.setdefault("data", {})["max_input_seq_length"] = total - 1

@@ -89,6 +89,13 @@ def read_hf_rows(cfg: DatasetConfig, key: str) -> list[dict[str, Any]]:
     except Exception as exc:  # missing name, offline and not cached, unknown split: the library's first line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         how = "load_from_disk" if saved else "load_dataset"
+        if not saved and datasets.config.HF_HUB_OFFLINE:  # the usual cause: say where it was looked for
+            raise ValueError(
+                f"{key}.path: dataset {cfg.path!r} (subset {cfg.subset}, split {cfg.split}) is not in the Hugging Face "
+                f"cache {datasets.config.HF_DATASETS_CACHE} and the Hub is offline (HF_HUB_OFFLINE / "
+                "HF_DATASETS_OFFLINE): load it once online into that cache, or save it with save_to_disk and set "
+                "path to that directory"
+            ) from None
         raise ValueError(f"{key}.path {cfg.path!r}: datasets.{how} failed ({first})") from None
     return hf_rows(ds, cfg.split, key)
 
@@ -113,7 +120,9 @@ def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: st
             raise ValueError(f"dataset {source} row {n}: expected a dict of columns, got {type(row).__name__}")
         task = row.get(cfg.task_field) if cfg.task_field else None
         task = str(task) if task is not None else cfg.default_task
-        answer = row.get(cfg.answer_field)
+        answer = field_value(row, cfg.answer_field)
+        if answer is not None and cfg.answer_after is not None:
+            answer = str(answer).rpartition(cfg.answer_after)[2].strip()
         if answer is None and task == "math":
             raise ValueError(
                 f"dataset {source} row {n}: missing answer field {cfg.answer_field!r}, which the math verifier "
@@ -140,14 +149,30 @@ def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: st
                     )
                 pairs.append((m["role"], m["content"]))
             records.append(PromptRecord(answer=answer, task=task, messages=tuple(pairs), **extra))
-        elif row.get(cfg.prompt_field) is not None:
-            records.append(PromptRecord(answer=answer, task=task, prompt=str(row[cfg.prompt_field]), **extra))
+        elif (prompt := field_value(row, cfg.prompt_field)) is not None:
+            records.append(PromptRecord(answer=answer, task=task, prompt=str(prompt), **extra))
         else:
             raise ValueError(
                 f"dataset {source} row {n}: has neither prompt field {cfg.prompt_field!r} "
                 f"nor messages field {cfg.messages_field!r}"
             )
     return records
+
+
+def field_value(row: dict[str, Any], name: str) -> Any:
+    """`row[name]`, else for a dotted name the nested value it walks to (`prompt.0.content`: a list index), else
+    None: datasets such as DAPO-Math keep the problem and answer inside nested columns."""
+    if name in row or "." not in name:
+        return row.get(name)
+    node: Any = row
+    for part in name.split("."):
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _arithmetic_records(data: DataConfig, task: str) -> tuple[list[PromptRecord], list[PromptRecord]]:

@@ -67,7 +67,7 @@ def test_nemo_layout_example_trains_two_steps_on_both_trainers(tmp_path, capsys)
     [
         ("policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size=2: relayrl has no"),
         ("policy.megatron_cfg.enabled=true", "policy.megatron_cfg.enabled=true: relayrl has no Megatron backend"),
-        ("data.train.dataset_name=OpenMathInstruct-2", "data.train.dataset_name='OpenMathInstruct-2': relayrl reads"),
+        ("data.train.dataset_name=squad", "data.train.dataset_name='squad': relayrl knows NeMo RL's"),
         ("policy.dtensor_cfg.bogus_key=1", "unknown config key: policy.dtensor_cfg.bogus_key"),
     ],
 )

@@ -123,7 +123,7 @@ def test_nemo_chat_template_null_means_concatenation_only_in_that_layout() -> No
         ({"policy": {"generation": {"vllm_cfg": {"max_model_len": 32}}}}, "policy.generation.vllm_cfg.max_model_len"),
         ({"checkpointing": {"model_save_format": "torch_save"}}, "checkpointing.model_save_format='torch_save': "),
         ({"reward_penalties": {"penalize_unwanted_tokens": True}}, "reward_penalties.penalize_unwanted_tokens=True"),
-        ({"data": {"train": {"dataset_name": "OpenMathInstruct-2"}}}, "data.train.dataset_name='OpenMathInstruct-2'"),
+        ({"data": {"train": {"dataset_name": "squad"}}}, "data.train.dataset_name='squad': relayrl knows NeMo RL's"),
         ({"on_policy_distillation": {"teachers": []}}, "on_policy_distillation={'teachers': []}: "),
         ({"cluster": {"gpus_per_node": 2, "workers_per_node": 1}}, "cluster.gpus_per_node (2) and cluster.workers"),
         ({"policy": {"precision": "${nope.key}"}}, "policy.precision: ${nope.key} names nope.key, which the config"),
