@@ -8,7 +8,7 @@ whitening the data-plane critic runs), `loss_functions` (clipped policy-gradient
 
 Trainers (may import everything below them: models, experience, environments, data_plane, distributed, utils,
 config; never `relayrl.cli`): `runner` (the one outer loop and step tail), `validation`, `setup` (one set-up for
-every trainer), `protocols` (the seams a trainer calls), `trainer_common` (step pieces the trainers share), and the
+every trainer; `components` the two kinds it builds, typed with their trainers' Protocols), `protocols` (the seams a trainer calls), `trainer_common` (step pieces the trainers share), and the
 trainers themselves, each holding only its step phases: `grpo` / `grpo_sync` and `ppo` / `ppo_sync` (legacy and
 data-plane, side by side; `dynamic_sampling` is `grpo_sync`'s filter on metadata). A data-plane trainer takes its
 rows from a `protocols.RolloutSource`: `rollout_sources` (`ActorSource`, generated for the step),
