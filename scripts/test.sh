@@ -7,6 +7,6 @@ bash scripts/setup.sh dev,ray,transfer_queue,lora,bench
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# Two workers (pytest-xdist): every `ray` test on one of them (tests/conftest.py), the rest shared; the 25 slowest
+# Two workers (pytest-xdist): each module's `ray` tests together on one of them (tests/conftest.py); the 25 slowest
 # tests are listed at the end.
 .venv/bin/python -m pytest -n "${RELAYRL_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"

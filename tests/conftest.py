@@ -17,12 +17,13 @@ torch.set_num_threads(1)
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it) every `ray` test goes to one worker, in
-    file order: a module's `ray_cluster` is then the only Ray on the machine, and no two modules' clusters (each
-    sized for 2 cores) start side by side by accident."""
+    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it) each module's `ray` tests run on one
+    worker, in file order: the module's `ray_cluster` (a fresh local Ray of its own, `address="local"`) serves only
+    them. Two modules' clusters may run side by side, one per worker, each owned by its module; no test ever joins
+    another module's cluster."""
     for item in items:
         if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.xdist_group(f"ray:{item.path.name}"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,7 +43,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     check above knows one bad pair of versions; this one sees the effect)."""
     if not getattr(session.config.option, "loadgroup", False):
         return
-    loose = [i.nodeid for i in session.items if i.get_closest_marker("ray") and not i.nodeid.endswith("@ray")]
+    loose = [i.nodeid for i in session.items if i.get_closest_marker("ray") and "@ray:" not in i.nodeid]
     if loose:
         raise pytest.UsageError(
             f"pytest-xdist did not group {len(loose)} ray tests (e.g. {loose[0]}): this pytest and pytest-xdist do not "
@@ -80,7 +81,12 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     if ray.is_initialized():  # left running by an earlier module: its size and leftovers are not this module's
         ray.shutdown()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",  # always a new cluster: never one another test module (or a `ray start`) left running
+        num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         yield
     finally:

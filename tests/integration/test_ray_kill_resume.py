@@ -22,7 +22,7 @@ OVERRIDES = [
     "policy.generation.max_new_tokens=12",
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=4",
-    "grpo.max_num_steps=8",
+    "grpo.max_num_steps=5",
     "grpo.val_at_start=false",
     "grpo.val_at_end=false",
     "grpo.val_period=0",
@@ -111,5 +111,5 @@ def test_killed_worker_ends_the_run_naming_the_rank_and_the_next_start_resumes(t
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     assert f"Resumed from {run_dir / 'checkpoints' / f'step_{saved[-1]}'}" in out + err
-    assert _train_steps(run_dir) == sorted(set(done) | set(range(saved[-1] + 1, 9)))
-    assert _train_steps(run_dir)[-1] == 8
+    assert _train_steps(run_dir) == sorted(set(done) | set(range(saved[-1] + 1, 6)))
+    assert _train_steps(run_dir)[-1] == 5

@@ -76,15 +76,28 @@ def test_a_local_ray_started_by_relayrl_requires_its_token(tmp_path: Path) -> No
         assert head.stdout is not None
         address, token = head.stdout.readline().split()
 
-        def join(**extra: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [sys.executable, "-c", _JOIN, address], env=env | extra, capture_output=True, text=True, timeout=180
+        def join(**extra: str) -> subprocess.Popen[str]:
+            return subprocess.Popen(
+                [sys.executable, "-c", _JOIN, address],
+                env=env | extra,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
 
-        assert join().returncode != 0
-        assert join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64).returncode != 0
-        joined = join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-        assert joined.returncode == 0 and "joined" in joined.stdout, joined.stderr[-2000:]
+        # the three clients side by side: a refused one only fails after Ray's own connection time-out
+        clients = [join(), join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)]
+        clients.append(join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token))
+        try:
+            results = [(c.communicate(timeout=180), c.returncode) for c in clients]
+        finally:
+            for c in clients:
+                if c.poll() is None:
+                    c.kill()
+                    c.communicate()
+        (_, no_token), (_, wrong_token), ((out, err), right_token) = results
+        assert no_token != 0 and wrong_token != 0
+        assert right_token == 0 and "joined" in out, err[-2000:]
         assert not (tmp_path / ".ray").exists()
     finally:
         assert head.stdin is not None
