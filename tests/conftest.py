@@ -15,40 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it) each module's `ray` tests run on one
-    worker, in file order: the module's `ray_cluster` (a fresh local Ray of its own, `address="local"`) serves only
-    them. Two modules' clusters may run side by side, one per worker, each owned by its module; no test ever joins
-    another module's cluster."""
+    """`quick` (`bash scripts/test.sh -m quick`, the inner loop): every test outside tests/integration that starts
+    no Ray and is neither slow nor GPU-only; the unit tests mirror the package, so it touches every module."""
     for item in items:
-        if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group(f"ray:{item.path.name}"))
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """pytest 9.2 with pytest-xdist 3.8 silently drops `--dist loadgroup`'s groups: say so in one line instead."""
-    if getattr(config.option, "dist", "no") == "loadgroup" and pytest.version_tuple >= (9, 2):
-        import xdist
-
-        if tuple(int(p) for p in xdist.__version__.split(".")[:2]) <= (3, 8):
-            raise pytest.UsageError(
-                f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} ignores --dist loadgroup (the ray "
-                "tests would share the machine with a second Ray): install the dev extra's pins (pytest<9.2)"
-            )
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """A `ray` test that xdist would schedule outside the group is a configuration fault: stop before running (the
-    check above knows one bad pair of versions; this one sees the effect)."""
-    if not getattr(session.config.option, "loadgroup", False):
-        return
-    loose = [i.nodeid for i in session.items if i.get_closest_marker("ray") and "@ray:" not in i.nodeid]
-    if loose:
-        raise pytest.UsageError(
-            f"pytest-xdist did not group {len(loose)} ray tests (e.g. {loose[0]}): this pytest and pytest-xdist do not "
-            "work together; install the versions pyproject.toml's dev extra pins"
-        )
+        if "integration" not in item.path.parts and not any(item.get_closest_marker(m) for m in ("ray", "slow", "gpu")):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +45,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> 
 
 @pytest.fixture(scope="module")
 def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A local Ray for one test module, shut down at its end if this fixture started it.
+    """A local Ray for one test module, shut down at its end if this fixture started it. scripts/test.sh runs the
+    suite with `--dist loadscope`: a module's tests stay on one worker, so the cluster serves them alone (another
+    worker's module may run its own cluster beside it; `address="local"` never joins one).
 
     num_cpus is the module's `RAY_NUM_CPUS` (default 4: on 2 cores TransferQueue's actors wait forever with fewer);
     no dashboard, worker logs kept out of the test output, no token file written to the home directory."""
