@@ -51,6 +51,7 @@ CPU_FOR_GPU_CONFIG += ["data.system_prompt=null", "data.max_input_seq_length=nul
 NOT_HERE = {
     "bash scripts/setup.sh": "CI's set-up: scripts/test.sh runs it",
     "bash scripts/test.sh": "what CI runs",
+    "bash scripts/test.sh -m quick": "CI's run, restricted to the quick subset (tests/conftest.py marks it)",
     ".venv/bin/python -m pytest -m ray": "the Ray-marked tests, this file's included",
     ".venv/bin/python -m pytest -m gpu": "the GPU-marked tests, on a CUDA machine",
 }
