@@ -251,7 +251,8 @@ class ClusterConfig(Strict):
     """Intra-op threads per worker. 1 by default: small models gain little from more, and on a busy machine
     spinning OpenMP threads make a step several times slower. None leaves torch's default (all cores)."""
     ray_address: str | None = None
-    """Ray executor: address of an existing Ray cluster to join; None starts a local Ray (unless one is running)."""
+    """Ray executor: address of an existing Ray cluster to join. None: the RAY_ADDRESS environment variable if set
+    (what `ray job submit` gives a job), else a new local Ray (never one `ray start` left running)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms: exact resume and parity on CPU."""
     retain_freed_memory: bool = True

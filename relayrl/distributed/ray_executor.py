@@ -46,16 +46,19 @@ _FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "RELAYRL_", "C
 
 
 def ensure_ray(cluster: ClusterConfig) -> bool:
-    """Join `cluster.ray_address` or start a local Ray sized for the group; True if this call started Ray.
+    """Join a cluster or start a local Ray sized for the group; True if this call initialised Ray.
 
-    A Ray that is already initialised is used as it is. A local start asks for max(4, ranks x cpus_per_worker)
-    CPUs (logical: Ray only uses them for placement) and no dashboard, with Ray's token authentication on (see
-    `_token_for_local_ray`). Joining a cluster uses whatever authentication that cluster asks for.
+    A Ray that is already initialised is used as it is. `cluster.ray_address`, else the `RAY_ADDRESS` environment
+    variable (what `ray job submit` sets for a job's driver), is joined as it is: its size is the cluster's, so no
+    CPU count is passed, and it uses whatever authentication it asks for. Without either, a new local Ray is always
+    started (`address="local"`), even where `ray start` left one running: max(4, ranks x cpus_per_worker) logical
+    CPUs (Ray only uses them for placement), no dashboard, token authentication on (see `_token_for_local_ray`).
     """
     if ray.is_initialized():
         return False
-    if cluster.ray_address:
-        ray.init(address=cluster.ray_address)
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
         return True
     _token_for_local_ray()
     needed = cluster.num_nodes * cluster.workers_per_node * cluster.cpus_per_worker
@@ -63,7 +66,7 @@ def ensure_ray(cluster: ClusterConfig) -> bool:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its "token authentication is enabled" notice, on every run
     try:
-        ray.init(num_cpus=max(4, needed), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(4, needed), include_dashboard=False)
     finally:
         quiet.setLevel(level)
     return True

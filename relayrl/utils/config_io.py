@@ -141,6 +141,7 @@ _RESUME_SAFE_EXACT = (
     "data_plane.init_timeout_s",
     "cluster.start_timeout_s",
     "cluster.call_timeout_s",
+    "cluster.ray_address",  # where the ranks run, not what they compute: a run resumes exactly on a new cluster
 )
 _RESUME_SAFE_ROLLOUT = (
     "max_num_steps",

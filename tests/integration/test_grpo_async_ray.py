@@ -24,7 +24,7 @@ from relayrl.utils.config_io import load_config
 from relayrl.utils.state_file import load_state_file
 from tests.helpers import metrics_by_step, sigkill_after_checkpoint
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 RAY_NUM_CPUS = 6  # 2 training + up to 2 generation workers (the shared `ray_cluster` fixture reads it)
 
@@ -163,6 +163,9 @@ def test_sigkill_after_a_checkpoint_with_batches_in_flight_resumes_exactly(runs,
     reference = runs("a", *ASYNC)
     run_dir = runs.root / "killed"
     monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(runs.root))
+    # the killed driver joins this module's cluster as `ray job submit` would have it join (RAY_ADDRESS); Ray ends
+    # its actors when it dies, and the resume below runs on the same cluster
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides(*ASYNC)]
     sigkill_after_checkpoint(argv, run_dir / "checkpoints" / "step_2")
     saved = load_state_file(run_dir / "checkpoints" / "step_2" / ASYNC_STATE)

@@ -62,12 +62,21 @@ sys.stdin.read()
 ray.shutdown()
 """
 _JOIN = "import ray, sys; ray.init(address=sys.argv[1]); print('joined')"
+#: relayrl's own start under RAY_ADDRESS (what `ray job submit` sets for a job's driver): it joins, giving no CPU count
+_JOIN_RELAYRL = """
+import ray
+from relayrl.config import ClusterConfig
+from relayrl.distributed.ray_executor import ensure_ray
+assert ensure_ray(ClusterConfig(executor="ray", workers_per_node=8))
+print("joined", ray.get_runtime_context().gcs_address, ray.cluster_resources()["CPU"])
+"""
 
 
 @pytest.mark.ray
 def test_a_local_ray_started_by_relayrl_requires_its_token(tmp_path: Path) -> None:
     """ensure_ray's local cluster runs with token authentication: a client without the token (or with another)
-    is refused, one with it joins; the token lives in the run's environment, not in ~/.ray/auth_token."""
+    is refused, one with it joins; the token lives in the run's environment, not in ~/.ray/auth_token. A second
+    relayrl start with RAY_ADDRESS pointing at it joins it as it is."""
     env = {k: v for k, v in os.environ.items() if k not in _NO_AUTH} | {"HOME": str(tmp_path)}
     head = subprocess.Popen(
         [sys.executable, "-c", _START], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -76,9 +85,9 @@ def test_a_local_ray_started_by_relayrl_requires_its_token(tmp_path: Path) -> No
         assert head.stdout is not None
         address, token = head.stdout.readline().split()
 
-        def join(**extra: str) -> subprocess.Popen[str]:
+        def join(code: str = _JOIN, **extra: str) -> subprocess.Popen[str]:
             return subprocess.Popen(
-                [sys.executable, "-c", _JOIN, address],
+                [sys.executable, "-c", code, address],
                 env=env | extra,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -88,6 +97,7 @@ def test_a_local_ray_started_by_relayrl_requires_its_token(tmp_path: Path) -> No
         # the three clients side by side: a refused one only fails after Ray's own connection time-out
         clients = [join(), join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)]
         clients.append(join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token))
+        clients.append(join(_JOIN_RELAYRL, RAY_ADDRESS=address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token))
         try:
             results = [(c.communicate(timeout=180), c.returncode) for c in clients]
         finally:
@@ -95,9 +105,11 @@ def test_a_local_ray_started_by_relayrl_requires_its_token(tmp_path: Path) -> No
                 if c.poll() is None:
                     c.kill()
                     c.communicate()
-        (_, no_token), (_, wrong_token), ((out, err), right_token) = results
+        (_, no_token), (_, wrong_token), ((out, err), right_token), ((env_out, env_err), by_env) = results
         assert no_token != 0 and wrong_token != 0
         assert right_token == 0 and "joined" in out, err[-2000:]
+        # joined the running cluster (its address, its 4 CPUs), not a new one sized for 8 ranks
+        assert by_env == 0 and env_out.split() == ["joined", address, "4.0"], env_err[-2000:]
         assert not (tmp_path / ".ray").exists()
     finally:
         assert head.stdin is not None
