@@ -8,7 +8,9 @@ the same metrics the same way and stop at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -22,7 +24,16 @@ from relayrl.utils.signals import GracefulStop, TrainingInterrupted
 from relayrl.utils.state_file import save_state_file
 from relayrl.utils.timer import TimeoutChecker, Timer
 
-__all__ = ["LoopParts", "StepOutput", "TrainerSteps", "early_stop_reached", "run_loop", "save_checkpoint"]
+__all__ = [
+    "CheckpointIncompleteError",
+    "LoopParts",
+    "StepOutput",
+    "TrainerSteps",
+    "check_weights_written",
+    "early_stop_reached",
+    "run_loop",
+    "save_checkpoint",
+]
 
 Metrics = dict[str, float]
 
@@ -105,7 +116,11 @@ def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
                 state.current_step = 0
             return last
         finally:
-            trainer.close()
+            if sys.exc_info()[0] is None:
+                trainer.close()
+            else:  # after a failure clean-up is best effort (a lost actor fails it too): the first error is reported
+                with contextlib.suppress(Exception):
+                    trainer.close()
 
 
 def should_validate(total_steps_done: int, cfg: MasterConfig, is_last_step: bool) -> bool:
@@ -162,7 +177,31 @@ def save_checkpoint(
         save_extra(tmp)
     if cfg.checkpointing.save_data_plane:
         save_data_plane(data_plane_client_of(policy), tmp, state.total_steps)
+    check_weights_written(tmp, cfg)
     return checkpointer.finalize_checkpoint(tmp)
+
+
+class CheckpointIncompleteError(RuntimeError):
+    """A checkpoint about to be published lacks what a resume needs; the previous one stays the resume point."""
+
+
+def check_weights_written(tmp: Path, cfg: MasterConfig) -> None:
+    """Refuse to publish a checkpoint whose model weights (or optimizer state) the driver cannot see.
+
+    Rank 0 writes them on its own node; on Ray, a run directory that node does not share with the driver would
+    otherwise be published without them and fail only at the next resume or export.
+    """
+    models = ["policy", "value"] if cfg.algorithm == "ppo" else ["policy"]
+    parts = [("weights", "*.safetensors")] + ([("optimizer", "*")] if cfg.checkpointing.save_optimizer else [])
+    for model in models:
+        for part, pattern in parts:
+            where = tmp / model / part
+            if not (where.is_dir() and any(where.glob(pattern))):
+                raise CheckpointIncompleteError(
+                    f"checkpoint step {tmp.name.removeprefix('tmp_step_')} was not published: {where} holds no {model} {part} as the "
+                    "driver sees it (rank 0 wrote them elsewhere): the run directory must be on storage that every "
+                    "node of the cluster shares"
+                )
 
 
 class StepTail:

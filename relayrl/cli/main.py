@@ -151,9 +151,11 @@ def _train(args: argparse.Namespace) -> int:
         if problem:
             return _fail(problem)
     from relayrl.algorithms.async_rollouts import ProducerDiedError
+    from relayrl.algorithms.runner import CheckpointIncompleteError
     from relayrl.algorithms.setup import SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
-    from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
+    from relayrl.data_plane.interfaces import DataPlaneClosedError
+    from relayrl.distributed.errors import ActorLostError, RemoteTimeoutError, WorkerDiedError
     from relayrl.environments.reward_fn_env import RewardFunctionError
     from relayrl.utils.signals import TrainingInterrupted, exit_code
 
@@ -177,6 +179,12 @@ def _train(args: argparse.Namespace) -> int:
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
     except RemoteTimeoutError as exc:  # a remote wait past its deadline (the message names it and the key)
+        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
+        return 1
+    except CheckpointIncompleteError as exc:  # not published: the previous checkpoint is still the resume point
+        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        return 1
+    except (ActorLostError, DataPlaneClosedError) as exc:  # a Ray actor of the run died (the store, the rollouts)
         print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
         return 1
     except ProducerDiedError as exc:  # async GRPO's rollout producer raised: one line, and how to continue

@@ -10,3 +10,8 @@ class WorkerDiedError(RuntimeError):
 class RemoteTimeoutError(TimeoutError):
     """A wait on another process ran past its deadline; the message names what was waited for and the config key
     of the deadline. The run cannot continue (the group or actor is torn down)."""
+
+
+class ActorLostError(RuntimeError):
+    """A Ray actor of the run (the rollout actor, the asynchronous producer) died; the message names it and the call
+    that found out. The run cannot continue; it resumes from its last checkpoint."""

@@ -15,13 +15,16 @@ Ray is imported only when the Ray executor is selected.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import re
 from typing import Any
 
 import torch
 
 from relayrl.config import DataPlaneConfig, MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.distributed.errors import ActorLostError
 from relayrl.experience.flight_recorder import export_rows, import_rows
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 
@@ -177,6 +180,9 @@ class RayRolloutActor:
         except TimeoutError:
             self._stuck = True
             raise
+        except self._ray.exceptions.RayActorError as exc:  # its process died (killed, OOM, its node lost)
+            self._stuck = True  # nothing more to ask it: shutdown only makes sure it is gone
+            raise ActorLostError(f"the rollout actor died during {what!r} ({_where(exc)})") from None
 
     def shutdown(self) -> bool:
         """Take the sampling stream back into the driver's engine, detach the actor from the store, stop it."""
@@ -188,5 +194,15 @@ class RayRolloutActor:
                 self._generation.delegate_rng(None)
                 self._get(self._actor.shutdown.remote(), "shutdown")
         finally:
-            self._ray.kill(self._actor, no_restart=True)
+            with contextlib.suppress(Exception):  # already gone with its node or process
+                self._ray.kill(self._actor, no_restart=True)
         return True
+
+
+def _where(exc: BaseException) -> str:
+    """Where a Ray actor died, from Ray's error text: its pid and node address, in a few words."""
+    text = str(exc)
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: ([\w.:-]+)", text)
+    found = [f"pid {pid.group(1)}" if pid else "", f"node {ip.group(1)}" if ip else ""]
+    return ", ".join(f for f in found if f) or type(exc).__name__
