@@ -1,0 +1,157 @@
+"""A new user's TRL-style environment class (one tool, `reset`, `get_reward`) trains 3 steps on the shipped model,
+from `relayrl.train` and from the CLI, on the data-plane trainer (the default) and the legacy one (issue 26).
+
+The shipped model answers `\\boxed{N}` and knows no tool-call format, so these runs read that answer as a call of
+the class's `check` tool (`env.tool_call_parser`, the pluggable parser): every first turn calls the tool, the
+tool's answer is appended as a `tool` message through the chat template, and the model answers again. What is
+asserted is the mechanism: the tool ran, its message is in the trained sequence and masked out of the loss, the
+counts and rewards are logged, and both trainers log the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import relayrl
+from relayrl.cli.main import main
+from tests.helpers import metrics_by_step
+
+SMALL = {
+    "grpo.num_prompts_per_step": 2,
+    "grpo.num_generations_per_prompt": 2,
+    "policy.train_global_batch_size": 4,
+    "policy.train_micro_batch_size": 4,
+    "logger.progress_bar": False,
+    "grpo.max_num_steps": 3,
+    "grpo.max_rollout_turns": 2,
+    "grpo.val_at_start": False,
+    "grpo.val_period": 0,
+    "grpo.val_at_end": False,
+    "env.tool_call_parser": "tests.integration.test_agents:boxed_as_call",
+}
+
+USER_CLASS = '''
+class Checker:
+    """Checks an answer against the row's."""
+
+    def reset(self, answer, **row):
+        self.answer, self.checked = str(answer), []
+
+    def check(self, value: str) -> str:
+        """Check a candidate answer.
+
+        Args:
+            value: the candidate answer
+        """
+        self.checked.append(value)
+        return "correct" if value == self.answer else "wrong"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.answer in self.checked else 0.0
+'''
+
+
+def boxed_as_call(text: str) -> list[dict]:
+    """The shipped model's `\\boxed{N}` as a call `check(value=N)`; no box, no call (the episode ends)."""
+    found = re.search(r"\\boxed\{([^}]*)\}", text)
+    return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
+
+
+def checks(prompts, completions, environments, **columns):
+    """A reward function reading the batch's environment instances (TRL's `environments=`)."""
+    return [0.5 * len(env.checked) for env in environments]
+
+
+def _user_module(directory: Path) -> type:
+    namespace: dict = {}
+    exec(compile(USER_CLASS, str(directory / "checker.py"), "exec"), namespace)
+    return namespace["Checker"]
+
+
+@pytest.fixture(scope="module")
+def api_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("agents")
+    checker = _user_module(root)
+    runs = {}
+    for name, plane in (("data_plane", True), ("legacy", False)):
+        result = relayrl.train(
+            environment_factory=checker,
+            reward_fns=[checks],
+            run_dir=root / name,
+            overrides={**SMALL, "data_plane.enabled": plane},
+        )
+        runs[name] = result.run_dir
+    return runs
+
+
+def test_environment_class_trains_3_steps_from_the_python_api(api_runs, char_tokenizer) -> None:
+    steps = metrics_by_step(api_runs["data_plane"], skip=("per_sec", "latency", "timing"))
+    assert sorted(steps) == [1, 2, 3]
+    for m in steps.values():
+        assert m["train/env/episodes"] == 4 and m["train/env/invalid_tool_calls"] == 0
+        assert m["train/env/tool_errors"] == 0 and m["train/env/tool_timeouts"] == 0
+        assert m["train/avg_turns_per_sample"] == pytest.approx(1 + m["train/env/tool_calls"] / 4)
+    assert sum(m["train/env/tool_calls"] for m in steps.values()) > 0  # the tool ran
+    marker = char_tokenizer("<|tool|>", add_special_tokens=False)[
+        "input_ids"
+    ]  # the tool turn, as the template renders it
+    rows = pq.read_table(api_runs["data_plane"] / "rollouts" / "step_000003.parquet").to_pylist()
+    called = 0
+    for row in rows:
+        ids, mask = row["input_ids"][: row["input_lengths"]], row["token_mask"][: row["input_lengths"]]
+        parts = json.loads(row["env_metadata"])["reward_components"]
+        assert row["reward_env"] == pytest.approx(parts["get_reward"] + parts["checks"])  # get_reward + functions
+        at = [k for k in range(len(ids)) if ids[k : k + len(marker)] == marker]
+        if at:  # the tool's answer is in the trained sequence, out of the loss, between two trained replies
+            called += 1
+            end = at[0] + mask[at[0] :].index(1)
+            text = char_tokenizer.decode(ids[at[0] : end], skip_special_tokens=False)
+            assert re.fullmatch(r"<\|tool\|>(correct|wrong)<\|end\|><\|assistant\|>", text), text
+            assert mask[at[0] - 1] == 1 and set(mask[at[0] : end]) == {0} and mask[end] == 1
+            assert parts["checks"] == 0.5
+    assert called == sum(1 for r in rows if json.loads(r["env_metadata"])["reward_components"]["checks"] > 0) > 0
+
+
+def test_legacy_and_data_plane_trainers_log_the_same_numbers(api_runs) -> None:
+    keys = ("train/reward", "train/loss", "train/grad_norm", "train/total_num_tokens", "train/env/tool_calls")
+    a = metrics_by_step(api_runs["data_plane"])
+    b = metrics_by_step(api_runs["legacy"])
+    for step in (1, 2, 3):
+        assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}
+
+
+def test_environment_class_trains_3_steps_from_the_cli(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.delitem(sys.modules, "relayrl_reward_checker", raising=False)
+    (tmp_path / "checker.py").write_text(USER_CLASS)
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--run-dir", "run", "env.environment_factory=checker.py:Checker"]
+    argv += [f"{k}={v}" for k, v in SMALL.items()]
+    assert main(argv) == 0
+    steps = metrics_by_step(Path("run"))
+    assert sorted(steps) == [1, 2, 3] and all(m["train/env/episodes"] == 4 for m in steps.values())
+    assert sum(m["train/env/tool_calls"] for m in steps.values()) > 0
+
+
+def test_a_failing_reset_ends_the_cli_run_with_one_line(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "bad_env.py").write_text(
+        USER_CLASS.replace("Checker", "Picky").replace(
+            "self.answer, self.checked = str(answer), []",
+            "self.answer, self.checked = str(1 // (int(answer) - 50)), []",
+        )
+    )
+    data = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(45, 53)]  # answer 50 divides by zero: row 5
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--run-dir", "run", "env.environment_factory=bad_env.py:Picky", "data.shuffle=false"]
+    argv += ["data.train.source=file", "data.train.path=data.jsonl"]
+    argv += [f"{k}={v}" for k, v in SMALL.items()]
+    assert main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
+    assert len(err) == 1, err
+    assert "environment class Picky.reset failed on dataset row 5: ZeroDivisionError: integer division" in err[0]
