@@ -75,3 +75,19 @@ def test_classes_load_by_path_and_bad_ones_fail_before_any_model(tmp_path, monke
         build_tool_environments(MasterConfig(env={"environment_factory": "envs.py:Good"}), given=Tiny)
     several = build_tool_environments(MasterConfig(), given={"x": Tiny, "y": Tiny})
     assert [e.metric_prefix for e in several.values()] == ["env/x", "env/y"]
+
+
+def test_rows_are_routed_by_their_environment_column_and_keep_columns_and_conversation(char_tokenizer) -> None:
+    from relayrl.experience.data import PromptDataset, records_from_rows
+
+    cfg = MasterConfig(env={"environment_factory": {"a": "m:A", "b": "m:B"}}, data={"system_prompt": "Be brief."})
+    rows = [{"prompt": "1+1=", "environment": "a", "answer": "2"}, {"prompt": "2+2=", "environment": "b", "k": 3}]
+    records = records_from_rows(rows, cfg.data.train, "rows", episode_tasks=frozenset({"a", "b"}))
+    assert [r.task for r in records] == ["a", "b"] and [r.row for r in records] == [1, 2]
+    assert records[1].columns == {"environment": "b", "k": 3}
+    dataset = PromptDataset(records, char_tokenizer, max_prompt_length=64, system_prompt="Be brief.")
+    info = dataset[1]["extra_env_info"]
+    assert info["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    assert info["columns"] == {"environment": "b", "k": 3} and info["row"] == 2
+    plain = records_from_rows(rows, cfg.data.train, "rows")  # not environment tasks: no columns kept
+    assert plain[0].columns is None

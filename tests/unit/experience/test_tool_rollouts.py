@@ -12,7 +12,11 @@ import torch
 
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.tool_env import ToolEnvironment
-from relayrl.experience.rollouts import run_multi_turn_rollout
+from relayrl.experience.rollouts import (
+    batched_message_log_to_flat_message,
+    build_message_advantage_overrides,
+    run_multi_turn_rollout,
+)
 from relayrl.experience.sync_rollout_actor import flatten_for_store
 from tests.helpers import ScriptedGenerationBase, scripted_generation_output
 
@@ -170,6 +174,14 @@ def test_trained_ids_are_engine_ids_plus_templated_observations(merging_tokenize
     assert metrics["env/tool_errors"] == 0 and metrics["env/episodes"] == 4
     assert metrics["max_turns_reached_rate"] == 0.25
     assert not env._episodes  # every instance released
+    # the malformed call's reply is what grpo.invalid_tool_call_advantage overrides (the legacy trainer's path)
+    assert build_message_advantage_overrides(final["message_log"], {"is_invalid_tool_call": -1.0}) == {
+        "is_invalid_tool_call": 1
+    }
+    override = batched_message_log_to_flat_message(final["message_log"], {"token_ids": 0})[0]["advantage_override"]
+    penalised = (override == -1.0).nonzero().tolist()  # [[row, column], ...]
+    first_reply = len(final["message_log"][2][0]["token_ids"])
+    assert penalised == [[2, first_reply + k] for k in range(len(script[2][0]))]
 
 
 class Other(Notebook):
