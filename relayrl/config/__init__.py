@@ -136,8 +136,8 @@ class MasterConfig(Strict):
     cluster: ClusterConfig = ClusterConfig()
     """Executor, worker count and placement, device and per-worker runtime settings."""
     reward_penalties: RewardPenaltiesConfig = RewardPenaltiesConfig()
-    """Message-level advantage overrides for flagged assistant messages: applied by the legacy GRPO trainer, refused
-    by the data-plane one (data_plane.enabled), refused with PPO."""
+    """Message-level advantage overrides for flagged assistant messages: applied by the synchronous GRPO trainers
+    (legacy and data-plane), refused by asynchronous GRPO and `relayrl replay`, refused with PPO."""
     data_plane: DataPlaneConfig = DataPlaneConfig()
     """The sample-keyed store rollout tensors move through (off: the legacy in-memory trainers)."""
     ppo: PPOConfig = PPOConfig()

@@ -34,6 +34,7 @@ SMALL = {
     "grpo.val_period": 0,
     "grpo.val_at_end": False,
     "env.tool_call_parser": "tests.integration.test_agents:boxed_as_call",
+    "grpo.invalid_tool_call_advantage": -1.0,
 }
 
 USER_CLASS = '''
@@ -58,8 +59,11 @@ class Checker:
 
 
 def boxed_as_call(text: str) -> list[dict]:
-    """The shipped model's `\\boxed{N}` as a call `check(value=N)`; no box, no call (the episode ends)."""
+    """The shipped model's `\\boxed{N}` as a call `check(value=N)`; no box, no call (the episode ends). A negative N
+    is a malformed call here (counted, returned to the model as an error, penalised by invalid_tool_call_advantage)."""
     found = re.search(r"\\boxed\{([^}]*)\}", text)
+    if found and found.group(1).startswith("-"):
+        raise ValueError("negative")
     return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
 
 
@@ -94,32 +98,47 @@ def test_environment_class_trains_3_steps_from_the_python_api(api_runs, char_tok
     steps = metrics_by_step(api_runs["data_plane"], skip=("per_sec", "latency", "timing"))
     assert sorted(steps) == [1, 2, 3]
     for m in steps.values():
-        assert m["train/env/episodes"] == 4 and m["train/env/invalid_tool_calls"] == 0
+        assert m["train/env/episodes"] == 4
         assert m["train/env/tool_errors"] == 0 and m["train/env/tool_timeouts"] == 0
-        assert m["train/avg_turns_per_sample"] == pytest.approx(1 + m["train/env/tool_calls"] / 4)
+        # every second turn follows a call (valid or not) in the first
+        calls = m["train/env/tool_calls"] + m["train/env/invalid_tool_calls"]
+        assert 1.0 <= m["train/avg_turns_per_sample"] <= 2.0 and calls >= 4 * (m["train/avg_turns_per_sample"] - 1)
     assert sum(m["train/env/tool_calls"] for m in steps.values()) > 0  # the tool ran
+    assert sum(m["train/env/invalid_tool_calls"] for m in steps.values()) > 0  # malformed calls were counted
     marker = char_tokenizer("<|tool|>", add_special_tokens=False)[
         "input_ids"
-    ]  # the tool turn, as the template renders it
-    rows = pq.read_table(api_runs["data_plane"] / "rollouts" / "step_000003.parquet").to_pylist()
-    called = 0
+    ]  # a tool turn, as the template renders it
+    rows = []
+    for step in (1, 2, 3):
+        rows += pq.read_table(api_runs["data_plane"] / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
+    seen = set()
     for row in rows:
-        ids, mask = row["input_ids"][: row["input_lengths"]], row["token_mask"][: row["input_lengths"]]
+        n = row["input_lengths"]
+        ids, mask = row["input_ids"][:n], row["token_mask"][:n]
         parts = json.loads(row["env_metadata"])["reward_components"]
         assert row["reward_env"] == pytest.approx(parts["get_reward"] + parts["checks"])  # get_reward + functions
-        at = [k for k in range(len(ids)) if ids[k : k + len(marker)] == marker]
-        if at:  # the tool's answer is in the trained sequence, out of the loss, between two trained replies
-            called += 1
-            end = at[0] + mask[at[0] :].index(1)
-            text = char_tokenizer.decode(ids[at[0] : end], skip_special_tokens=False)
-            assert re.fullmatch(r"<\|tool\|>(correct|wrong)<\|end\|><\|assistant\|>", text), text
-            assert mask[at[0] - 1] == 1 and set(mask[at[0] : end]) == {0} and mask[end] == 1
+        at = [k for k in range(n) if ids[k : k + len(marker)] == marker]
+        if not at:
+            continue
+        # the tool's answer is in the trained sequence, out of the loss, between two trained replies
+        end = at[0] + mask[at[0] :].index(1)
+        text = char_tokenizer.decode(ids[at[0] : end], skip_special_tokens=False)
+        found = re.fullmatch(r"<\|tool\|>(correct|wrong|Error: negative)<\|end\|><\|assistant\|>", text)
+        assert found, text
+        assert mask[at[0] - 1] == 1 and set(mask[at[0] : end]) == {0} and mask[end] == 1
+        seen.add(found.group(1)[:5])
+        advantages = row["advantages"]
+        if found.group(1).startswith("Error"):  # the malformed call's reply carries the penalty, token by token
+            first_reply = [k for k in range(at[0]) if mask[k]]
+            assert [advantages[k] for k in first_reply] == [-1.0] * len(first_reply)
+        else:
             assert parts["checks"] == 0.5
-    assert called == sum(1 for r in rows if json.loads(r["env_metadata"])["reward_components"]["checks"] > 0) > 0
+    assert "Error" in seen and seen & {"corre", "wrong"}
 
 
 def test_legacy_and_data_plane_trainers_log_the_same_numbers(api_runs) -> None:
     keys = ("train/reward", "train/loss", "train/grad_norm", "train/total_num_tokens", "train/env/tool_calls")
+    keys += ("train/env/invalid_tool_calls", "train/advantages/mean", "train/advantages/min")
     a = metrics_by_step(api_runs["data_plane"])
     b = metrics_by_step(api_runs["legacy"])
     for step in (1, 2, 3):
