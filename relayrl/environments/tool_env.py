@@ -90,7 +90,8 @@ class ToolEnvironment(EnvironmentInterface):
             meta = dict(meta or {})
             where = f"dataset row {meta['row']}" if meta.get("row") is not None else f"batch row {k}"
             env = self._user_call(self.factory, "()", where)
-            text = self._user_call(env.reset, ".reset", where, **_reset_kwargs(env.reset, meta))
+            reset = getattr(env, "reset", None)  # optional: a class without one starts every episode as it is
+            text = self._user_call(reset, ".reset", where, **_reset_kwargs(reset, meta)) if callable(reset) else None
             if text is not None and not isinstance(text, str):
                 raise EnvironmentClassError(
                     f"{self.name}.reset returned a {type(text).__name__} on {where}; return a str or None"

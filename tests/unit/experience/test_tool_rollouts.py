@@ -205,3 +205,36 @@ def test_several_classes_are_routed_by_task_with_metrics_each(merging_tokenizer)
     assert final["total_reward"].tolist() == [1.0, 5.0]
     assert metrics["env/notes/tool_calls"] == 1 and metrics["env/other/tool_calls"] == 0
     assert metrics["env/notes/episodes"] == 1 and metrics["env/other/episodes"] == 1
+
+
+class NoReset:
+    """No reset: every episode starts from the dataset's prompt as it is."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, text: str) -> str:
+        """Write a note.
+
+        Args:
+            text: what to write
+        """
+        self.calls += 1
+        return "a very long answer from the tool " * 4
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def test_an_episode_cut_by_the_sequence_budget_is_scored_by_its_environment(merging_tokenizer) -> None:
+    tok = merging_tokenizer
+    script = [[chars(tok, call("ab")) + [tok.eos_token_id]]]
+    env = ToolEnvironment(NoReset)
+    batch = batch_for(tok, ["ab"])
+    budget = len(batch["message_log"][0][0]["token_ids"]) + len(script[0][0]) + 20 + len(json.dumps([env.tools]))
+    final, metrics = run_multi_turn_rollout(ScriptedTurns(script), batch, tok, {"environment": env}, budget, 5)
+    log = final["message_log"][0]
+    assert log[0]["content"].endswith("<|user|>q0<|end|><|assistant|>")  # no reset: the prompt as given
+    assert sum(len(m["token_ids"]) for m in log) == budget  # the tool's long answer was cut at the budget
+    assert final["truncated"].tolist() == [True] and final["total_reward"].tolist() == [1.0]  # get_reward at the end
+    assert metrics["natural_termination_rate"] == 0.0 and not env._episodes
