@@ -79,23 +79,23 @@ def _user_module(directory: Path) -> type:
 
 
 @pytest.fixture(scope="module")
-def api_runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same user code run twice: from `relayrl.train` on the data-plane trainer (the default), and from the CLI
+    (class and reward function by import path) on the legacy trainer."""
     root = tmp_path_factory.mktemp("agents")
-    checker = _user_module(root)
-    runs = {}
-    for name, plane in (("data_plane", True), ("legacy", False)):
-        result = relayrl.train(
-            environment_factory=checker,
-            reward_fns=[checks],
-            run_dir=root / name,
-            overrides={**SMALL, "data_plane.enabled": plane},
-        )
-        runs[name] = result.run_dir
-    return runs
+    result = relayrl.train(
+        environment_factory=_user_module(root), reward_fns=[checks], run_dir=root / "api", overrides=SMALL
+    )
+    (root / "checker.py").write_text(USER_CLASS)
+    sys.modules.pop("relayrl_reward_checker", None)
+    argv = ["train", "--run-dir", str(root / "cli"), f"env.environment_factory={root / 'checker.py'}:Checker"]
+    argv += ["env.reward_fns=[tests.integration.test_agents:checks]", "data_plane.enabled=false"]
+    assert main(argv + [f"{k}={v}" for k, v in SMALL.items()]) == 0
+    return {"api": result.run_dir, "cli": root / "cli"}
 
 
-def test_environment_class_trains_3_steps_from_the_python_api(api_runs, char_tokenizer) -> None:
-    steps = metrics_by_step(api_runs["data_plane"], skip=("per_sec", "latency", "timing"))
+def test_environment_class_trains_3_steps_from_the_python_api(runs, char_tokenizer) -> None:
+    steps = metrics_by_step(runs["api"], skip=("per_sec", "latency", "timing"))
     assert sorted(steps) == [1, 2, 3]
     for m in steps.values():
         assert m["train/env/episodes"] == 4
@@ -110,7 +110,7 @@ def test_environment_class_trains_3_steps_from_the_python_api(api_runs, char_tok
     ]  # a tool turn, as the template renders it
     rows = []
     for step in (1, 2, 3):
-        rows += pq.read_table(api_runs["data_plane"] / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
+        rows += pq.read_table(runs["api"] / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
     seen = set()
     for row in rows:
         n = row["input_lengths"]
@@ -136,25 +136,15 @@ def test_environment_class_trains_3_steps_from_the_python_api(api_runs, char_tok
     assert "Error" in seen and seen & {"corre", "wrong"}
 
 
-def test_legacy_and_data_plane_trainers_log_the_same_numbers(api_runs) -> None:
+def test_the_cli_on_the_legacy_trainer_logs_the_same_numbers(runs) -> None:
     keys = ("train/reward", "train/loss", "train/grad_norm", "train/total_num_tokens", "train/env/tool_calls")
-    keys += ("train/env/invalid_tool_calls", "train/advantages/mean", "train/advantages/min")
-    a = metrics_by_step(api_runs["data_plane"])
-    b = metrics_by_step(api_runs["legacy"])
+    keys += ("train/env/episodes", "train/env/invalid_tool_calls", "train/advantages/mean", "train/advantages/min")
+    keys += ("train/reward/checks",)
+    a = metrics_by_step(runs["api"])
+    b = metrics_by_step(runs["cli"])
+    assert sorted(a) == sorted(b) == [1, 2, 3]  # 3 steps each
     for step in (1, 2, 3):
         assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}
-
-
-def test_environment_class_trains_3_steps_from_the_cli(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.delitem(sys.modules, "relayrl_reward_checker", raising=False)
-    (tmp_path / "checker.py").write_text(USER_CLASS)
-    monkeypatch.chdir(tmp_path)
-    argv = ["train", "--run-dir", "run", "env.environment_factory=checker.py:Checker"]
-    argv += [f"{k}={v}" for k, v in SMALL.items()]
-    assert main(argv) == 0
-    steps = metrics_by_step(Path("run"))
-    assert sorted(steps) == [1, 2, 3] and all(m["train/env/episodes"] == 4 for m in steps.values())
-    assert sum(m["train/env/tool_calls"] for m in steps.values()) > 0
 
 
 def test_a_failing_reset_ends_the_cli_run_with_one_line(tmp_path, monkeypatch, capsys) -> None:
