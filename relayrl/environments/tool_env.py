@@ -186,7 +186,12 @@ class ToolEnvironment(EnvironmentInterface):
         with self._lock:
             for m in metas:
                 self._episodes.pop(int(m["episode"]), None)
-        out = [{**m, "reward_components": parts} for m, parts in zip(metas, components)]
+        # the episode's id is this process's counter: it leaves the row's metadata with the episode (records of a
+        # resumed run then equal an uninterrupted run's)
+        out = [
+            {**{k: v for k, v in m.items() if k != "episode"}, "reward_components": p}
+            for m, p in zip(metas, components)
+        ]
         return EpisodeEnd(total, list(out))
 
     # ------------------------------------------------------------------ helpers

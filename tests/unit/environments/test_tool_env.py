@@ -155,6 +155,7 @@ def test_episode_reset_tools_errors_counts_and_rewards() -> None:
     assert ret.message_flags[1] == {"is_invalid_tool_call": True}  # the call of an unknown tool: none run
     assert ret.rewards.tolist() == [0.0, 0.0, 1.0]  # row 2 ended: get_reward (target 99) + 0.5 * 0 tools used
     assert ret.metadata[2]["reward_components"] == {"get_reward": 1.0, "used_tools": 0.0}
+    assert "episode" not in ret.metadata[2] and "episode" in ret.metadata[0]  # the id leaves with the episode
     ret2 = env.step([_reply('<tool_call>{"name": "explode"}</tool_call>'), _reply("")], ret.metadata[:2])
     assert "Error: KeyError" in ret2.observations[0]["chat"][0]["content"] and ret2.terminateds.tolist() == [
         False,
