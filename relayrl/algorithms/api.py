@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relayrl.config import REWARD_FNS_TASK, MasterConfig
+from relayrl.config import REWARD_FNS_TASK, MasterConfig, apply_environment_defaults
 from relayrl.utils.config_io import ConfigError, load_config, parse_override, set_override, validate_config
 
 ConfigLike = str | Path | Mapping[str, Any] | MasterConfig | None
+EnvironmentFactory = type | Mapping[str, type] | None
 Overrides = Mapping[str, Any] | Sequence[str] | None
 
 
@@ -85,6 +86,7 @@ def build_run_config(
     train_dataset: Any = None,
     val_dataset: Any = None,
     overrides: Overrides = None,
+    environment_factory: EnvironmentFactory = None,
 ) -> tuple[MasterConfig, list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
     """The validated config of a `train` call and the rows it hands over (train, validation)."""
     raw = resolve_config(config, overrides)
@@ -98,12 +100,28 @@ def build_run_config(
     if val_dataset is not None:
         block, val_rows = _dataset_rows(val_dataset, "val_dataset")
         data["validation"] = {**(data.get("validation") or {}), **block}
-    if reward_fns:  # the functions score every row that names no task of its own, as env.reward_fns do
+    if reward_fns and environment_factory is None:  # they score every row naming no task, as env.reward_fns do
         for key in ("train", "validation"):
             if key == "train" or data.get("validation") is not None:
                 block = data.setdefault(key, {}) if key == "train" else data[key]
                 block.setdefault("default_task", REWARD_FNS_TASK)
-    return validate_config(raw), train_rows, val_rows
+    cfg = validate_config(raw)
+    if environment_factory is not None:
+        _check_factory(environment_factory)
+        try:  # the class's rows: the datasets' default task, or routed by their `environment` column
+            apply_environment_defaults(cfg, several=isinstance(environment_factory, Mapping))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return cfg, train_rows, val_rows
+
+
+def _check_factory(factory: Any) -> None:
+    classes = factory.values() if isinstance(factory, Mapping) else [factory]
+    if isinstance(factory, Mapping) and not factory:
+        raise ConfigError("environment_factory is an empty dict; give {name: class, ...}")
+    bad = next((c for c in classes if not isinstance(c, type)), None)
+    if bad is not None:
+        raise ConfigError(f"environment_factory must be a class (or a dict of classes), got {type(bad).__name__}")
 
 
 def train(
@@ -114,22 +132,39 @@ def train(
     val_dataset: Any = None,
     run_dir: str | Path | None = None,
     overrides: Overrides = None,
+    environment_factory: EnvironmentFactory = None,
 ) -> TrainResult:
     """Train with GRPO or PPO (`algorithm`) and return the run's directory, final metrics and last checkpoint.
 
     `reward_fns` (called as `f(prompts, completions, **columns) -> list[float]`, weighted by `env.reward_weights`)
     score the rows; datasets are lists of dicts, `datasets.Dataset`s or paths (JSONL / Parquet file, or a
     `save_to_disk` directory). A `run_dir` that holds checkpoints resumes from the latest one.
+
+    `environment_factory`: a TRL-style environment class (or {name: class}, rows routed by their `environment`
+    column), one instance per rollout: `reset(**row)`, public documented methods as tools, optional
+    `get_reward()`; the reward functions then score its episodes too (see `relayrl.environments.tool_env`).
     """
     from relayrl.algorithms.setup import UserInputs, run_training
     from relayrl.utils.paths import next_run_dir
 
     cfg, train_rows, val_rows = build_run_config(
-        config, reward_fns=reward_fns, train_dataset=train_dataset, val_dataset=val_dataset, overrides=overrides
+        config,
+        reward_fns=reward_fns,
+        train_dataset=train_dataset,
+        val_dataset=val_dataset,
+        overrides=overrides,
+        environment_factory=environment_factory,
     )
     fresh = run_dir is None
     directory = next_run_dir("runs") if run_dir is None else Path(run_dir)
-    inputs = UserInputs(train_rows=train_rows, val_rows=val_rows, reward_fns=list(reward_fns or []))
+    inputs = UserInputs(
+        train_rows=train_rows,
+        val_rows=val_rows,
+        reward_fns=list(reward_fns or []),
+        environment_factory=dict(environment_factory)
+        if isinstance(environment_factory, Mapping)
+        else environment_factory,
+    )
     summary = run_training(cfg, directory, inputs, new_run_dir=fresh, announce=True)
     return TrainResult(
         run_dir=directory,

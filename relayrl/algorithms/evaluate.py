@@ -11,7 +11,7 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
     """Load `checkpoint` (a `step_N/` directory or a Hugging Face model directory) and run validation."""
     from relayrl.algorithms.setup import load_tokenizer
     from relayrl.algorithms.validation import validate
-    from relayrl.environments.registry import build_environments
+    from relayrl.environments.registry import build_environments, build_reward_fn_env, build_tool_environments
     from relayrl.experience.data import build_dataloaders
     from relayrl.models.generation.hf_generation import HfGeneration
     from relayrl.models.policy.lm_policy import Policy
@@ -31,7 +31,8 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
     policy_cfg = cfg.policy.model_copy(update={"model_name": str(model_dir), "tokenizer": tokenizer_cfg})
     cfg = cfg.model_copy(update={"policy": policy_cfg})
     tokenizer = load_tokenizer(cfg)
-    _, val_dataloader = build_dataloaders(cfg, tokenizer)
+    tool_envs = build_tool_environments(cfg, None, build_reward_fn_env(cfg.env))  # env.environment_factory
+    _, val_dataloader = build_dataloaders(cfg, tokenizer, episode_tasks=frozenset(tool_envs))
     if val_dataloader is None:
         raise ValueError("no validation data configured (data.validation or a held-out split)")
     policy = Policy(cfg.policy, tokenizer, cluster=cfg.cluster, init_reference_model=False, init_optimizer=False)
@@ -45,7 +46,7 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
         max_total_sequence_length=cfg.policy.max_total_sequence_length,
         seed=cfg.rollout.seed,
     )
-    envs = build_environments(cfg)
+    envs = build_environments(cfg, given=tool_envs)
     try:
         generation.prepare_for_generation()
         metrics, _ = validate(generation, val_dataloader, tokenizer, envs, step=0, master_config=cfg, logger=None)

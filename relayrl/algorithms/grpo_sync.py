@@ -24,9 +24,11 @@ import torch
 from relayrl.algorithms.advantages import (
     GRPOAdvantageEstimator,
     advantage_metrics,
+    apply_advantage_overrides,
     build_advantage_estimator,
     clip_advantages,
     message_level_advantage_keys,
+    message_level_advantages,
     row_advantage_metrics,
 )
 from relayrl.algorithms.dynamic_sampling import apply_dynamic_sampling
@@ -60,7 +62,7 @@ from relayrl.algorithms.utils import calculate_baseline_and_std_per_prompt
 from relayrl.algorithms.validation import Envs, ValidationResult, sync_validator, validate_sync, validation_runner
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS
+from relayrl.data_plane.schema import ADVANTAGE_OVERRIDE, DP_TRAIN_FIELDS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.ray_rollout import rollout_actor_cls  # SyncRolloutActor, or a Ray actor on Ray
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
@@ -100,7 +102,6 @@ def grpo_train_sync(
     cfg = master_config
     if not cfg.data_plane.enabled:
         raise ValueError("grpo_train_sync needs data_plane.enabled=true; use grpo.grpo_train (the legacy trainer)")
-    _raise_if_message_level_advantage_penalties_enabled(cfg)
     timer = Timer()
     actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)
 
@@ -155,6 +156,7 @@ class GRPOSyncSteps:
         self.kv_sync = kv_sync
         self.logger, self.cfg, self.g, self.timer = logger, cfg, cfg.grpo, timer
         self.estimator = build_advantage_estimator(cfg.grpo, cfg.loss_fn)
+        self.flag_to_adv = message_level_advantages(cfg)  # the rollout stores their per-token overrides
         self.skip_prev, self.skip_ref = resolve_logprob_skip_flags(cfg)
         self.train_fields = _train_fields_for_step(self.skip_prev, self.skip_ref)
         self._validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
@@ -318,7 +320,20 @@ class GRPOSyncSteps:
         g = self.g
         valid_counts = carry["loss_token_counts"].long() * (sample_mask != 0)  # [B] loss tokens per row
         prompt_group = carry["prompt_group"].unsqueeze(-1)  # [B, 1]
-        if isinstance(self.estimator, GRPOAdvantageEstimator):
+        if self.flag_to_adv:  # message-level penalties: per-token advantages, as the legacy trainer computes them
+            fields = [*_token_fields(self.skip_prev, self.skip_ref), ADVANTAGE_OVERRIDE]
+            cols = self.policy.read_from_dataplane(meta, select_fields=fields)
+            mask = cols["token_mask"] * sample_mask.unsqueeze(-1)  # [B, S]
+            column = self.estimator.compute_advantage(
+                prompt_group, rewards, mask, cols.get("prev_logprobs"), cols.get("reference_policy_logprobs")
+            )
+            overrides = cols[ADVANTAGE_OVERRIDE].float()  # [B, S]; past a row's length: keep the estimator's
+            lengths = torch.tensor(meta.sequence_lengths, dtype=torch.long)  # [B]
+            overrides[torch.arange(overrides.shape[1]).unsqueeze(0) >= lengths.unsqueeze(1)] = float("nan")
+            column = apply_advantage_overrides(column, overrides)
+            column = clip_advantages(column, g.advantage_clip_low, g.advantage_clip_high)  # [B, S]
+            adv_metrics = advantage_metrics(column, mask, carry["baseline"])
+        elif isinstance(self.estimator, GRPOAdvantageEstimator):
             adv_rows = self.estimator.compute_advantage(prompt_group, rewards, sample_mask.unsqueeze(-1))[:, 0]
             column = clip_advantages(adv_rows, g.advantage_clip_low, g.advantage_clip_high)  # [B]
             width = int(meta.extra_info.get("global_forward_pad_seqlen") or max(meta.sequence_lengths or [0]))
@@ -350,14 +365,14 @@ class GRPOSyncSteps:
 
 def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
     """Raise NotImplementedError naming the message-level advantage penalty keys set (`grpo.invalid_tool_call_advantage`,
-    `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings): they need per-message token spans,
-    which only the legacy trainer has."""
+    `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings). Asynchronous GRPO calls it: its
+    producer's rows do not carry the per-token overrides the synchronous trainers (legacy and data-plane) apply."""
     keys = message_level_advantage_keys(master_config)
     if keys:
         names = ", ".join(keys)
         raise NotImplementedError(
-            f"message-level advantage penalties ({names}) are not supported with data_plane.enabled=true; "
-            "disable them or use the legacy trainer (data_plane.enabled=false)"
+            f"message-level advantage penalties ({names}) are not supported by asynchronous GRPO with "
+            "data_plane.enabled=true; disable them or use a synchronous trainer (grpo.async_grpo.enabled=false)"
         )
 
 

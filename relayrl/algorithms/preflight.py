@@ -101,13 +101,15 @@ def check_model_and_tokenizer(cfg: MasterConfig, tokenizer: Tokenizer) -> None:
         )
 
 
-def check_task_environments(task_names: list[str]) -> None:
-    """Every task a dataset row names has a registered environment (else its rows could never be scored)."""
+def check_task_environments(task_names: list[str], classes: list[str] | None = None) -> None:
+    """Every task a dataset row names has a registered environment or environment class (`classes`: their task
+    names), else its rows could never be scored."""
     from relayrl.environments.registry import ENV_REGISTRY
 
-    missing = sorted({name for name in task_names if name not in ENV_REGISTRY})
+    known = set(ENV_REGISTRY) | set(classes or [])
+    missing = sorted({name for name in task_names if name not in known})
     if missing:
         raise ValueError(
             f"the dataset names task(s) {', '.join(map(repr, missing))} with no environment; registered: "
-            f"{', '.join(sorted(ENV_REGISTRY))} (set data.*.default_task or the rows' task field, or register_env)"
+            f"{', '.join(sorted(known))} (set data.*.default_task or the rows' task field, or register_env)"
         )

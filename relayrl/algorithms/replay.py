@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from relayrl.algorithms.advantages import message_level_advantages
 from relayrl.algorithms.grpo_sync import GRPOSyncSteps, grpo_rollout_spec, grpo_step_start
 from relayrl.algorithms.protocols import Generation, Rollout
 from relayrl.algorithms.rollout_sources import RolloutSpec, StepStart, prepare_rollout, received
@@ -66,6 +67,8 @@ def replay_config(run_dir: Path, overrides: Sequence[str], out: Path) -> MasterC
         raise ValueError(f"relayrl replay supports GRPO runs; {run_dir} is a {cfg.algorithm} run")
     if cfg.grpo.use_dynamic_sampling:
         raise ValueError("relayrl replay cannot replay dynamic sampling (grpo.use_dynamic_sampling=true)")
+    if message_level_advantages(cfg):  # their per-token overrides are not in the flight recording
+        raise ValueError("relayrl replay cannot replay message-level advantage penalties (invalid_tool_call_advantage)")
     update = {
         "data_plane": cfg.data_plane.model_copy(update={"enabled": True}),  # the legacy trainer's numbers are equal
         "checkpointing": cfg.checkpointing.model_copy(update={"checkpoint_dir": str(out / "checkpoints")}),

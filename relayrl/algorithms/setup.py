@@ -58,6 +58,8 @@ class UserInputs:
     train_rows: list[dict[str, Any]] | None = None
     val_rows: list[dict[str, Any]] | None = None
     reward_fns: list[Callable[..., Any]] | None = None
+    environment_factory: type | dict[str, type] | None = None
+    """Environment class(es) of `relayrl.train(environment_factory=...)`: one, or {name: class}."""
 
 
 #: Files of which a Hugging Face tokenizer directory holds at least one.
@@ -157,13 +159,15 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
     """`setup` for one kind of components: its classes build the policy and critic, typed with its Protocols."""
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.algorithms.value_loss import MseValueLossFn
-    from relayrl.environments.registry import build_environments, build_reward_fn_env
+    from relayrl.environments.registry import build_environments, build_reward_fn_env, build_tool_environments
     from relayrl.experience.data import build_dataloaders
+    from relayrl.experience.episodes import check_chat_template
 
     inputs = inputs or UserInputs()
     check_trainer_executor(cfg)
     check_machine(cfg)
     reward_env = build_reward_fn_env(cfg.env, inputs.reward_fns)  # imported now: a bad path fails before any load
+    tool_envs = build_tool_environments(cfg, inputs.environment_factory, reward_env)  # so are environment classes
     # One live run per directory (its run and checkpoint directories), checked before anything loads:
     # DirectoryInUseError names the holder's pid.
     checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir or run_dir / "checkpoints")
@@ -179,11 +183,17 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
 
     tokenizer = load_tokenizer(cfg)
     check_model_and_tokenizer(cfg, tokenizer)
+    for tool_env in tool_envs.values():  # a template that cannot render tool turns: refused before the model loads
+        check_chat_template(
+            tokenizer, getattr(tool_env, "tools", None), cfg.policy.tokenizer.chat_template_kwargs or {}
+        )
     if cfg.algorithm == "ppo":
         _check_value_vocabulary(cfg, tokenizer)
-    dataloader, val_dataloader = build_dataloaders(cfg, tokenizer, (inputs.train_rows, inputs.val_rows))
+    dataloader, val_dataloader = build_dataloaders(
+        cfg, tokenizer, (inputs.train_rows, inputs.val_rows), frozenset(tool_envs)
+    )
     task_names: list[str] = _task_names(dataloader, val_dataloader)  # annotated: mypy re-checks the body per kind
-    check_task_environments([cfg.data.train.default_task, *task_names])
+    check_task_environments([cfg.data.train.default_task, *task_names], list(tool_envs))
     if reward_env is None and REWARD_FNS_TASK in task_names:
         raise ValueError(
             f"rows of task {REWARD_FNS_TASK!r} need reward functions: env.reward_fns=[module:function, ...] "
@@ -225,7 +235,7 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
             value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
         policy.shutdown()
         raise
-    task_to_env = build_environments(cfg, task_names, reward_env)
+    task_to_env = build_environments(cfg, task_names, reward_env, tool_envs)
     loss_fn = ClippedPGLossFn(effective_loss_config(cfg))
 
     logger = Logger(cfg.logger, run_dir, total_steps=cfg.rollout.max_num_steps, start_step=save_state.total_steps)

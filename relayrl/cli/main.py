@@ -157,6 +157,7 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.data_plane.interfaces import DataPlaneClosedError
     from relayrl.distributed.errors import ActorLostError, RemoteTimeoutError, WorkerDiedError
     from relayrl.environments.reward_fn_env import RewardFunctionError
+    from relayrl.environments.tool_env import EnvironmentClassError
     from relayrl.utils.signals import TrainingInterrupted, exit_code
 
     resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
@@ -168,6 +169,9 @@ def _train(args: argparse.Namespace) -> int:
         text = str(exc)  # raised in a Ray actor: Ray's wrapper adds the remote traceback around our line
         line = next((ln.strip() for ln in text.splitlines() if "reward function '" in ln), text.strip())
         print(f"relayrl: error: {line[line.find('reward function') :]}; {resume}", file=sys.stderr)
+        return 1
+    except EnvironmentClassError as exc:  # the user's environment class: one line naming it and the row
+        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
         return 1
     except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"relayrl: {exc}; `relayrl train --run-dir {run_dir}` resumes", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from relayrl.config.base import BUILTIN_TINY_MODEL, VALIDATION_METRICS, NonNegFloat, NonNegInt, Strict, UnitFloat
+from relayrl.config.infra import ENVIRONMENT_TASK as ENVIRONMENT_TASK
 from relayrl.config.infra import REWARD_FNS_TASK as REWARD_FNS_TASK
 from relayrl.config.infra import (
     ArithmeticConfig,
@@ -63,6 +64,7 @@ from relayrl.config.rollout import (
 __all__ = [
     "BUILTIN_TINY_MODEL",
     "GRPO_LR_SCHEDULE",
+    "ENVIRONMENT_TASK",
     "REWARD_FNS_TASK",
     "VALIDATION_METRICS",
     "AdamWKwargs",
@@ -134,8 +136,8 @@ class MasterConfig(Strict):
     cluster: ClusterConfig = ClusterConfig()
     """Executor, worker count and placement, device and per-worker runtime settings."""
     reward_penalties: RewardPenaltiesConfig = RewardPenaltiesConfig()
-    """Message-level advantage overrides for flagged assistant messages: applied by the legacy GRPO trainer, refused
-    by the data-plane one (data_plane.enabled), refused with PPO."""
+    """Message-level advantage overrides for flagged assistant messages: applied by the synchronous GRPO trainers
+    (legacy and data-plane), refused by asynchronous GRPO and `relayrl replay`, refused with PPO."""
     data_plane: DataPlaneConfig = DataPlaneConfig()
     """The sample-keyed store rollout tensors move through (off: the legacy in-memory trainers)."""
     ppo: PPOConfig = PPOConfig()
@@ -305,7 +307,9 @@ class MasterConfig(Strict):
         for key, ds in (("data.train", self.data.train), ("data.validation", self.data.validation)):
             if ds is not None and ds.source in ("file", "hf") and not ds.path:
                 raise ValueError(f"{key}.path is required when {key}.source is '{ds.source}'")
-        if self.env.reward_fns:  # the reward functions score every row that names no task of its own
+        if self.env.environment_factory is not None:
+            apply_environment_defaults(self, several=isinstance(self.env.environment_factory, dict))
+        elif self.env.reward_fns:  # the reward functions score every row that names no task of its own
             for ds in (self.data.train, self.data.validation):
                 if ds is not None and "default_task" not in ds.model_fields_set:
                     ds.default_task = REWARD_FNS_TASK
@@ -331,6 +335,29 @@ class MasterConfig(Strict):
     def reference_model_needed(self) -> bool:
         skip = self.rollout.skip_reference_policy_logprobs_calculation
         return self.loss_fn.reference_policy_kl_penalty > 0 and not skip
+
+
+def apply_environment_defaults(cfg: MasterConfig, several: bool) -> None:
+    """Environment classes (`env.environment_factory`, or `relayrl.train(environment_factory=...)`): their rows are
+    the datasets' default task (one class) or are routed by their `environment` column (several); the trainers
+    that cannot run per-rollout environments yet are refused (ValueError, one line)."""
+    if cfg.cluster.executor == "ray":
+        raise ValueError(
+            "environment classes (env.environment_factory) run on cluster.executor=local only for now (Ray rollout "
+            "actors would need the class importable there); use the local executor"
+        )
+    if cfg.algorithm == "grpo" and cfg.grpo.async_grpo.enabled:
+        raise ValueError(
+            "environment classes (env.environment_factory) are not supported with grpo.async_grpo.enabled=true yet; "
+            "use the synchronous trainer (data_plane.enabled=true, the default, or the legacy one)"
+        )
+    for ds in (cfg.data.train, cfg.data.validation):
+        if ds is None:
+            continue
+        if several and "task_field" not in ds.model_fields_set:
+            ds.task_field = ENVIRONMENT_TASK
+        if not several and "default_task" not in ds.model_fields_set:
+            ds.default_task = ENVIRONMENT_TASK
 
 
 def _async_grpo_problem(cfg: MasterConfig) -> str | None:

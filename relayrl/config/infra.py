@@ -110,6 +110,8 @@ class RewardModelEnvConfig(Strict):
 
 #: The task name whose rows the configured reward functions score (`env.reward_fns`, `relayrl.train(reward_fns=)`).
 REWARD_FNS_TASK = "reward_fns"
+#: Task name of rows played out by the one `env.environment_factory` class (several classes: their own names).
+ENVIRONMENT_TASK = "environment"
 
 
 class EnvConfig(Strict):
@@ -123,6 +125,18 @@ class EnvConfig(Strict):
     becomes the datasets' default task unless `data.*.default_task` is given; a row's reward is their weighted sum."""
     reward_weights: list[float] | None = None
     """One weight per reward function (in order); None weighs each 1.0."""
+    environment_factory: str | dict[str, str] | None = None
+    """A TRL-style environment class by import path (`module:Class` or `file.py:Class`), instantiated once per
+    rollout: `reset(**row) -> str | None`, its public documented methods are the model's tools, optional
+    `get_reward() -> float` (added to the reward functions' sum). Its rows become task `environment`. A mapping
+    `{name: path}` runs several classes in one run, each row routed by its `environment` column (data.*.task_field)."""
+    tool_call_parser: str = "hermes"
+    """How tool calls are read from a reply: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+    the Qwen2.5 / Hermes templates' format) or `module:function` / `file.py:function` taking the reply text and
+    returning a list of `{"name", "arguments"}` dicts (raising ValueError for a malformed call)."""
+    tool_timeout_s: PositiveFloat = 60.0
+    """Deadline of one tool call; a call past it costs this long, its result tells the model it timed out, and it
+    is counted (`env/tool_timeouts`). Calls of a batch run concurrently (one thread each)."""
 
     @model_validator(mode="after")
     def _reward_fn_paths(self) -> EnvConfig:
@@ -134,6 +148,20 @@ class EnvConfig(Strict):
         if w is not None and self.reward_fns and len(w) != len(self.reward_fns):
             raise ValueError(
                 f"env.reward_weights has {len(w)} weights for {len(self.reward_fns)} env.reward_fns; give one each"
+            )
+        factories = self.environment_factory
+        paths = [factories] if isinstance(factories, str) else list((factories or {}).values())
+        if isinstance(factories, dict) and not factories:
+            raise ValueError("env.environment_factory is an empty mapping; give {name: module:Class, ...} or null")
+        for entry in paths:
+            module, _, name = entry.rpartition(":")
+            if not module or not name:
+                raise ValueError(
+                    f"env.environment_factory entry {entry!r} must look like module:Class or file.py:Class"
+                )
+        if self.tool_call_parser != "hermes" and not all(self.tool_call_parser.rpartition(":")[::2]):
+            raise ValueError(
+                f"env.tool_call_parser {self.tool_call_parser!r} must be 'hermes' or module:function / file.py:function"
             )
         return self
 

@@ -201,7 +201,7 @@ class GRPOConfig(RolloutConfig):
     then computed from the training forward's pi_old. Off when seq_logprob_error_threshold is set, with
     use_kl_in_reward, or with CISPO / REINFORCE losses, which need the logprobs before training."""
     invalid_tool_call_advantage: float | None = None
-    """Message-level advantage penalty (legacy trainer): assistant messages flagged `is_invalid_tool_call` get this
+    """Message-level advantage penalty (synchronous GRPO): assistant messages flagged `is_invalid_tool_call` get this
     advantage. The reference's key; the same setting as reward_penalties.invalid_tool_call_advantage (set one)."""
     malformed_thinking_advantage: float | None = None
     """As invalid_tool_call_advantage, for messages flagged `has_malformed_thinking`."""

@@ -18,6 +18,9 @@ TOTAL_REWARD = "total_reward"
 REWARDS = "rewards"
 """PPO's per-row scalar reward after shaping (GAE reads it; the policy loss reads it for the positive-example NLL)."""
 ROUTED_EXPERTS = "routed_experts"
+ADVANTAGE_OVERRIDE = "advantage_override"
+"""Message-level advantage penalties per token (NaN: keep the estimator's), written by the rollout only when
+`grpo.invalid_tool_call_advantage` or another message-level penalty is set."""
 
 DP_TRAIN_FIELDS: tuple[str, ...] = (
     INPUT_IDS,
@@ -31,6 +34,10 @@ DP_TRAIN_FIELDS: tuple[str, ...] = (
 )
 """What a training worker fetches for one step (order matters for reproducible logs)."""
 
+PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, ADVANTAGE_OVERRIDE)
+"""Every field a step's (or validation batch's) partition may hold: the train fields, and the per-token penalties a
+rollout writes when message-level advantage penalties are set."""
+
 LP_SEED_FIELDS: tuple[str, ...] = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK)
 """What a log-prob worker (policy or reference) fetches."""
 
@@ -43,6 +50,7 @@ TOKEN_ALIGNED_FIELDS: frozenset[str] = frozenset(
         ADVANTAGES,
         TOKEN_MASK,
         ROUTED_EXPERTS,
+        ADVANTAGE_OVERRIDE,
     }
 )
 """Per-token fields: written jagged (unpadded, by `sequence_lengths`) when given as `[N, S, ...]` tensors."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -45,3 +45,36 @@ class EnvironmentInterface(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, most environments hold nothing
         """Release worker pools, if any."""
+
+
+class EpisodeStart(NamedTuple):
+    """How one rollout of a per-rollout environment begins: the conversation the rollout renders with the chat
+    template (with `tools`) into the first prompt, and the row's metadata from then on."""
+
+    messages: list[Message]  # {"role", "content"} dicts, rendered with add_generation_prompt
+    tools: list[dict[str, Any]] | None  # JSON schemas handed to the chat template as `tools=`
+    template_kwargs: dict[str, Any]  # further chat-template keyword arguments (policy.tokenizer.chat_template_kwargs)
+    metadata: dict[str, Any]  # replaces the row's metadata (e.g. the episode's id)
+
+
+@runtime_checkable
+class EpisodeEnvironment(Protocol):
+    """What an environment adds to `EnvironmentInterface` to keep one object per rollout (TRL's
+    `environment_factory`): the rollout starts every row's episode before the first turn and ends the episodes
+    it stops itself (turn limit, sequence budget) after the last. Its observations may be chat messages
+    (`{"role", "content", "chat": [messages]}`), which the rollout renders through the chat template."""
+
+    def start_episodes(self, metadata: list[dict[str, Any] | None]) -> list[EpisodeStart]:
+        """Create and reset one environment per row; raises naming the class and dataset row when reset fails."""
+        ...
+
+    def end_episodes(self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any] | None]) -> EpisodeEnd:
+        """Score and release the episodes the rollout stopped before the environment ended them."""
+        ...
+
+
+class EpisodeEnd(NamedTuple):
+    """The final rewards [B] and metadata of episodes the rollout stopped."""
+
+    rewards: torch.Tensor  # [B] float32
+    metadata: list[dict[str, Any] | None]

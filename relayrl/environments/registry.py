@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from relayrl.config import REWARD_FNS_TASK, EnvConfig, MasterConfig
+from relayrl.config import ENVIRONMENT_TASK, REWARD_FNS_TASK, EnvConfig, MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
 
 EnvFactory = Callable[[EnvConfig], EnvironmentInterface]
@@ -46,6 +46,53 @@ def build_reward_fn_env(
     return RewardFunctionEnvironment(fns, weights)
 
 
+#: Environment classes handed to `relayrl.train(environment_factory=...)`: one class, or {name: class}.
+GivenFactories = type | dict[str, type] | None
+
+
+def build_tool_environments(
+    cfg: MasterConfig, given: GivenFactories = None, reward_fns: EnvironmentInterface | None = None
+) -> dict[str, EnvironmentInterface]:
+    """{task name: ToolEnvironment} for the environment classes of `env.environment_factory` (imported here) or
+    given in Python: one class is task `environment`, several are tasks by their names (the rows' `environment`
+    column). The reward functions, when any, score every episode with them. ValueError (one line) for a bad path,
+    a class with an undocumented public method, or a bad tool-call parser."""
+    from relayrl.environments.reward_fn_env import RewardFunctionEnvironment, load_reward_fn
+    from relayrl.environments.tool_calls import ToolCallParser, parse_hermes
+    from relayrl.environments.tool_env import ToolEnvironment
+
+    configured, env = cfg.env.environment_factory, cfg.env
+    if configured is not None and given is not None:
+        raise ValueError("environment classes are given twice: env.environment_factory and environment_factory=")
+    if configured is None and given is None:
+        return {}
+    factories: dict[str, Any]
+    if configured is not None:
+        key = "env.environment_factory"
+        entries = {ENVIRONMENT_TASK: configured} if isinstance(configured, str) else dict(configured)
+        factories = {
+            name: load_reward_fn(path, key=f"{key} entry {path!r}", kind="class") for name, path in entries.items()
+        }
+    else:
+        factories = dict(given) if isinstance(given, dict) else {ENVIRONMENT_TASK: given}
+    parser: ToolCallParser = parse_hermes
+    if env.tool_call_parser != "hermes":
+        parser = load_reward_fn(env.tool_call_parser, key=f"env.tool_call_parser {env.tool_call_parser!r}")
+    several = len(factories) > 1 or isinstance(configured, dict) or isinstance(given, dict)
+    scorer = reward_fns if isinstance(reward_fns, RewardFunctionEnvironment) else None
+    return {
+        name: ToolEnvironment(
+            factory,
+            reward_fns=scorer,
+            parser=parser,
+            tool_timeout_s=env.tool_timeout_s,
+            template_kwargs=cfg.policy.tokenizer.chat_template_kwargs,
+            metric_prefix=f"env/{name}" if several else "env",
+        )
+        for name, factory in factories.items()
+    }
+
+
 def _make_reward_fns(cfg: EnvConfig) -> EnvironmentInterface:
     """User reward functions by import path (`env.reward_fns`); `relayrl.train(reward_fns=...)` builds its own."""
     env = build_reward_fn_env(cfg)
@@ -84,18 +131,24 @@ def create_task_to_env(task_names: Iterable[str], cfg: EnvConfig | None = None) 
 
 
 def build_environments(
-    cfg: MasterConfig, task_names: Iterable[str] = (), reward_fns: EnvironmentInterface | None = None
+    cfg: MasterConfig,
+    task_names: Iterable[str] = (),
+    reward_fns: EnvironmentInterface | None = None,
+    given: dict[str, EnvironmentInterface] | None = None,
 ) -> dict[str, EnvironmentInterface]:
     """Environments for the configured datasets' default tasks plus `task_names` (e.g. a dataset's `task_names`,
-    which also covers per-row task fields); every name must be registered. `reward_fns`, when given, is the
-    environment of task `reward_fns` (functions handed to `relayrl.train`, which no config can name).
+    which also covers per-row task fields); every name must be registered or `given` (environment classes, see
+    `build_tool_environments`). `reward_fns`, when given, is the environment of task `reward_fns` (functions handed
+    to `relayrl.train`, which no config can name).
     """
     names = [cfg.data.train.default_task]
     if cfg.data.validation is not None:
         names.append(cfg.data.validation.default_task)
     names = list(dict.fromkeys([*names, *task_names]))
+    envs = {n: given[n] for n in names if n in (given or {})}
+    names = [n for n in names if n not in envs]
     if reward_fns is None or REWARD_FNS_TASK not in names:
-        return create_task_to_env(names, cfg.env)
-    envs = create_task_to_env([n for n in names if n != REWARD_FNS_TASK], cfg.env)
+        return {**envs, **create_task_to_env(names, cfg.env)}
+    envs.update(create_task_to_env([n for n in names if n != REWARD_FNS_TASK], cfg.env))
     envs[REWARD_FNS_TASK] = reward_fns
     return envs

@@ -38,10 +38,12 @@ def reward_fn_name(fn: Callable[..., Any]) -> str:
     return str(getattr(inner, "__name__", type(inner).__name__))
 
 
-def load_reward_fn(entry: str) -> RewardFn:
-    """`module:function` (imported; the working directory is searched too) or `path/to/file.py:function`."""
+def load_reward_fn(entry: str, key: str | None = None, kind: str = "function") -> RewardFn:
+    """`module:function` (imported; the working directory is searched too) or `path/to/file.py:function`.
+    `key` and `kind` name the setting and the object in errors (environment classes and tool-call parsers load
+    the same way)."""
     module_name, _, attr = entry.rpartition(":")
-    key = f"env.reward_fns entry {entry!r}"
+    key = key or f"env.reward_fns entry {entry!r}"
     if module_name.endswith(".py"):
         path = Path(module_name).expanduser()
         if not path.is_file():
@@ -68,7 +70,7 @@ def load_reward_fn(entry: str) -> RewardFn:
                 sys.path.remove("")
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{key}: {module_name} has no function {attr!r}")
+        raise ValueError(f"{key}: {module_name} has no {kind} {attr!r}")
     return fn
 
 

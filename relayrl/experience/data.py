@@ -109,9 +109,12 @@ def hf_rows(ds: Any, split: str, key: str) -> list[dict[str, Any]]:
     return [dict(row) for row in ds.to_list()]
 
 
-def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: str) -> list[PromptRecord]:
+def records_from_rows(
+    rows: list[dict[str, Any]], cfg: DatasetConfig, source: str, episode_tasks: frozenset[str] = frozenset()
+) -> list[PromptRecord]:
     """Validate and convert file rows; errors name the 1-based row and the missing field. `answer` is required only
-    of rows the math verifier scores; rows of the reward-function task keep every column for those functions."""
+    of rows the math verifier scores; rows of the reward-function task and of `episode_tasks` (environment classes,
+    whose `reset` takes the columns) keep every column."""
     if not rows:
         raise ValueError(f"dataset {source} is empty")
     records = []
@@ -130,7 +133,7 @@ def records_from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, source: st
             )
         answer = str(answer) if answer is not None else None
         extra: dict[str, Any] = {}
-        if task == REWARD_FNS_TASK:
+        if task == REWARD_FNS_TASK or task in episode_tasks:
             extra["row"] = n
             extra["columns"] = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.messages_field)}
         messages = row.get(cfg.messages_field)
@@ -175,12 +178,14 @@ def field_value(row: dict[str, Any], name: str) -> Any:
     return node
 
 
-def _arithmetic_records(data: DataConfig, task: str) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def _arithmetic_records(
+    data: DataConfig, task: str, episode_tasks: frozenset[str] = frozenset()
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
     a = data.arithmetic
     train, val = split_problems(all_problems(a.min_operand, a.max_operand, a.operations), a.num_val_problems)
 
     def record(p: Any, n: int) -> PromptRecord:  # reward functions get the answer as a column, like a file's
-        if task != REWARD_FNS_TASK:
+        if task != REWARD_FNS_TASK and task not in episode_tasks:
             return PromptRecord(p.answer, task, prompt=p.problem)
         return PromptRecord(p.answer, task, prompt=p.problem, columns={"answer": p.answer}, row=n)
 
@@ -191,28 +196,31 @@ def _arithmetic_records(data: DataConfig, task: str) -> tuple[list[PromptRecord]
 GivenRows = tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]
 
 
-def _records_of(ds: DatasetConfig, key: str, given: list[dict[str, Any]] | None) -> list[PromptRecord]:
+def _records_of(
+    ds: DatasetConfig, key: str, given: list[dict[str, Any]] | None, episode_tasks: frozenset[str]
+) -> list[PromptRecord]:
     """The records of a non-arithmetic dataset, from its file, its `datasets` source or the rows given."""
     if ds.source == "file":
-        return records_from_rows(read_rows(_path(ds, key)), ds, str(ds.path))
+        return records_from_rows(read_rows(_path(ds, key)), ds, str(ds.path), episode_tasks)
     if ds.source == "hf":
-        return records_from_rows(read_hf_rows(ds, key), ds, str(ds.path))
+        return records_from_rows(read_hf_rows(ds, key), ds, str(ds.path), episode_tasks)
     arg = "train_dataset" if key == "data.train" else "val_dataset"
     if given is None:
         raise ValueError(f"{key}.source is 'python' but no rows were given: pass relayrl.train({arg}=...)")
-    return records_from_rows(given, ds, arg)
+    return records_from_rows(given, ds, arg, episode_tasks)
 
 
 def load_records(
-    cfg: MasterConfig, given: GivenRows = (None, None)
+    cfg: MasterConfig, given: GivenRows = (None, None), episode_tasks: frozenset[str] = frozenset()
 ) -> tuple[list[PromptRecord], list[PromptRecord] | None]:
-    """(train, validation) records; validation is None when the config asks for none."""
+    """(train, validation) records; validation is None when the config asks for none. Rows of `episode_tasks`
+    (environment classes) keep their columns and source row, as reward-function rows do."""
     data = cfg.data
     train_cfg, val_cfg = data.train, data.validation
     if train_cfg.source == "arithmetic":
-        train, val = _arithmetic_records(data, train_cfg.default_task)
+        train, val = _arithmetic_records(data, train_cfg.default_task, episode_tasks)
     else:
-        train = _records_of(train_cfg, "data.train", given[0])
+        train = _records_of(train_cfg, "data.train", given[0], episode_tasks)
         val = None
         if val_cfg is None and train_cfg.split_validation_size > 0:
             order = list(range(len(train)))
@@ -225,9 +233,9 @@ def load_records(
             train = [r for i, r in enumerate(train) if i not in held]
     if val_cfg is not None:
         if val_cfg.source == "arithmetic":
-            val = _arithmetic_records(data, val_cfg.default_task)[1]
+            val = _arithmetic_records(data, val_cfg.default_task, episode_tasks)[1]
         else:
-            val = _records_of(val_cfg, "data.validation", given[1])
+            val = _records_of(val_cfg, "data.validation", given[1], episode_tasks)
     return train, val
 
 
@@ -264,6 +272,7 @@ class PromptDataset(Dataset):
         self.name = name
         self.num_skipped_overlong = 0
         self._items: list[tuple[str, torch.Tensor, PromptRecord]] = []  # (rendered, ids [P], record)
+        self._conversations: dict[int, list[dict[str, str]]] = {}  # item -> its conversation (episode rows)
         conversations = []
         for rec in records:
             if rec.messages is not None:
@@ -291,7 +300,10 @@ class PromptDataset(Dataset):
                         "(data.max_input_seq_length, else policy.max_total_sequence_length - "
                         "policy.generation.max_new_tokens); set data.skip_overlong_prompts to skip such rows"
                     )
-                self._items.append((text, torch.tensor(ids, dtype=torch.long), records[n - 1]))
+                rec = records[n - 1]
+                if rec.columns is not None and rec.task != REWARD_FNS_TASK:  # an environment class re-renders it
+                    self._conversations[len(self._items)] = chunk[k]
+                self._items.append((text, torch.tensor(ids, dtype=torch.long), rec))
         if not self._items:
             raise ValueError(f"{name}: all {len(records)} prompts are over the limit of {max_prompt_length} tokens")
         #: Every task (environment) name the rows use, for building the task -> environment map.
@@ -305,16 +317,17 @@ class PromptDataset(Dataset):
         return {
             "message_log": [{"role": "user", "content": rendered, "token_ids": ids.clone()}],
             "length": len(ids),
-            "extra_env_info": _env_info(rec),
+            "extra_env_info": _env_info(rec, self._conversations.get(i)),
             "task_name": rec.task,
             "loss_multiplier": 1.0,
             "idx": i,
         }
 
 
-def _env_info(rec: PromptRecord) -> dict[str, Any]:
+def _env_info(rec: PromptRecord, conversation: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """What the row's environment reads: the answer as `ground_truth`; for reward functions also the prompt as the
-    dataset gave it (text, or a list of messages), the other columns and the 1-based source row."""
+    dataset gave it (text, or a list of messages), the other columns and the 1-based source row; for environment
+    classes also the conversation (system prompt and template applied) the episode re-renders with its tools."""
     info: dict[str, Any] = {"ground_truth": rec.answer} if rec.answer is not None else {}
     if rec.columns is not None:
         info["prompt"] = (
@@ -322,6 +335,8 @@ def _env_info(rec: PromptRecord) -> dict[str, Any]:
         )
         info["columns"] = dict(rec.columns)
         info["row"] = rec.row
+    if conversation is not None:
+        info["messages"] = [dict(m) for m in conversation]
     return info
 
 
@@ -351,10 +366,10 @@ def rl_collate_fn(rows: list[dict[str, Any]]) -> BatchedDataDict:
 
 # ---------------------------------------------------------------------------------------------------- loaders
 def build_datasets(
-    cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None)
+    cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None), episode_tasks: frozenset[str] = frozenset()
 ) -> tuple[PromptDataset, PromptDataset | None]:
     """The train dataset and, when configured, the validation dataset."""
-    train_records, val_records = load_records(cfg, given)
+    train_records, val_records = load_records(cfg, given, episode_tasks)
     common = {
         "max_prompt_length": cfg.max_prompt_length,
         "system_prompt": cfg.data.system_prompt,
@@ -368,10 +383,11 @@ def build_datasets(
 
 
 def build_dataloaders(
-    cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None)
+    cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None), episode_tasks: frozenset[str] = frozenset()
 ) -> tuple[StatefulDataLoader, StatefulDataLoader | None]:
-    """Train loader (seeded shuffle, whole batches only, resumable mid-epoch) and validation loader (in order)."""
-    train, val = build_datasets(cfg, tokenizer, given)
+    """Train loader (seeded shuffle, whole batches only, resumable mid-epoch) and validation loader (in order).
+    `episode_tasks`: the task names of environment classes (their rows keep their columns and conversation)."""
+    train, val = build_datasets(cfg, tokenizer, given, episode_tasks)
     g = cfg.rollout
     batch_size = g.prompts_per_batch
     if len(train) < batch_size:

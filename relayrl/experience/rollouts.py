@@ -17,6 +17,8 @@ import torch
 
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
+from relayrl.experience.chat_render import ChatRenderer
+from relayrl.experience.episodes import end_episodes, episode_envs, observation_ids, start_episodes
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,11 @@ def run_multi_turn_rollout(
     and the row is marked truncated and done (a row that merely lands exactly on the limit is flagged too,
     as in the reference). `truncated` is also set when the engine stopped on its token budget. The input batch
     is not modified; the result adds `total_reward` [B] float32 and `truncated` [B] bool.
+
+    Rows of a per-rollout environment (`EpisodeEnvironment`, e.g. an `env.environment_factory` class) start with
+    their episode's prompt rendered with the tool schemas; their observations are chat messages rendered as the
+    template's continuation after the engine's own ids (token-in/token-out, `chat_render`); the episodes this
+    loop stops (turn limit, sequence budget) are scored by the environment at the end.
     """
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
@@ -78,6 +85,9 @@ def run_multi_turn_rollout(
     gen_tokens = [0] * n
     env_tokens = [0] * n
     active = list(range(n))
+    episodic = episode_envs(task_to_env)
+    renderer = ChatRenderer(tokenizer) if episodic else None
+    chat = start_episodes(batch, episodic, renderer, max_seq_len) if renderer is not None else {}
 
     for _ in range(max_rollout_turns):
         if not active:
@@ -123,17 +133,28 @@ def run_multi_turn_rollout(
         )
         total_reward[active] += env_out.rewards.to(torch.float32)
         # One batched tokenizer call for all observations (the same ids as one call each, far less overhead).
-        obs_token_ids = tokenizer([o["content"] for o in env_out.observations], add_special_tokens=False)["input_ids"]
+        plain = [j for j, o in enumerate(env_out.observations) if "chat" not in o]
+        obs_token_ids: dict[int, list[int]] = {}
+        if plain:
+            texts = [env_out.observations[j]["content"] for j in plain]
+            obs_token_ids = dict(zip(plain, tokenizer(texts, add_special_tokens=False)["input_ids"]))
         for j, i in enumerate(active):
             if env_out.message_flags is not None and env_out.message_flags[j]:
                 batch["message_log"][i][-1]["flags"] = dict(env_out.message_flags[j])
             obs = env_out.observations[j]
+            if "chat" in obs:  # chat messages: the template's continuation after this reply, tokenized once
+                assert renderer is not None, "chat observations come from episode environments only"
+                text, ids_j = observation_ids(renderer, chat, i, batch["message_log"][i][-1]["token_ids"], obs)
+                obs_token_ids[j] = ids_j
+                obs = {"role": obs["role"], "content": text, "messages": list(obs["chat"])}
+            else:
+                obs = {"role": obs["role"], "content": obs["content"]}
             obs_ids = torch.tensor(obs_token_ids[j], dtype=torch.long)  # [o]
             used = int(starts[j]) + gen_lens[j]
             if used + len(obs_ids) >= max_seq_len:
                 obs_ids = obs_ids[: max(0, max_seq_len - used)]
                 truncated_rows[i] = done[j] = True
-            batch["message_log"][i].append({"role": obs["role"], "content": obs["content"], "token_ids": obs_ids})
+            batch["message_log"][i].append({**obs, "token_ids": obs_ids})
             env_tokens[i] += len(obs_ids)
             turns[i] += 1
             stop_strings[i] = env_out.next_stop_strings[j]
@@ -142,6 +163,8 @@ def run_multi_turn_rollout(
         terminated[active] |= env_done
         active = [i for i, d, e in zip(active, done, env_done.tolist()) if not (d or e)]
 
+    if episodic:  # episodes this loop stopped (turn limit, budget) are scored by their environment
+        end_episodes(batch, episodic, [i for i in range(n) if not terminated[i]], total_reward)
     max_turns_reached = torch.zeros(n, dtype=torch.bool)
     max_turns_reached[active] = True
     truncated = torch.tensor(truncated_rows, dtype=torch.bool)  # [B]

@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
+from relayrl.algorithms.advantages import message_level_advantages
 from relayrl.config import DataPlaneConfig, MasterConfig
 from relayrl.data_plane.column_io import first_write
 from relayrl.data_plane.factory import build_data_plane_client
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import (
+    ADVANTAGE_OVERRIDE,
     GENERATION_LOGPROBS,
     INPUT_IDS,
     INPUT_LENGTHS,
@@ -45,6 +47,7 @@ from relayrl.experience.flight_recorder import RecordRequest, RolloutStash, reco
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
+    build_message_advantage_overrides,
     run_multi_turn_rollout,
     trim_to_last_loss_token,
 )
@@ -76,26 +79,36 @@ OPT_IN_CARRY_KEYS: tuple[str, ...] = (
 
 
 def flatten_for_store(
-    message_logs: Sequence[MessageLog], pad_id: int, multiple: int, only_generated: bool = True
+    message_logs: Sequence[MessageLog],
+    pad_id: int,
+    multiple: int,
+    only_generated: bool = True,
+    flag_to_advantage: Mapping[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The legacy trainer's training tensors for finished logs (masks added on shallow copies of the messages,
-    so the caller's logs are left as they are): `input_ids`, `input_lengths`, `generation_logprobs`, `token_mask`.
+    so the caller's logs are left as they are): `input_ids`, `input_lengths`, `generation_logprobs`, `token_mask`,
+    and with `flag_to_advantage` (message-level penalties) `advantage_override`, as the legacy GRPO trainer builds it.
 
     `only_generated` as in `add_token_loss_masks`: GRPO trains on the tokens sampled in this rollout only, PPO (like
     its legacy trainer) on every assistant message, including those a few-shot prompt brings."""
     logs = [[dict(m) for m in msgs] for msgs in message_logs]
     add_token_loss_masks(logs, only_generated=only_generated)
+    if flag_to_advantage:
+        build_message_advantage_overrides(logs, dict(flag_to_advantage))
     flat, input_lengths = trim_to_last_loss_token(
         *batched_message_log_to_flat_message(logs, pad_value_dict={"token_ids": pad_id}),
         pad_value_dict={"token_ids": pad_id},
         make_sequence_length_divisible_by=multiple,
     )
-    return {
+    out = {
         INPUT_IDS: flat["token_ids"],  # [B, S]
         INPUT_LENGTHS: input_lengths,  # [B]
         GENERATION_LOGPROBS: flat["generation_logprobs"],  # [B, S]
         TOKEN_MASK: flat["token_loss_mask"],  # [B, S]
     }
+    if flag_to_advantage:
+        out[ADVANTAGE_OVERRIDE] = flat["advantage_override"]  # [B, S], NaN where not overridden
+    return out
 
 
 def _first_assistant_length(msgs: MessageLog) -> int:
@@ -130,6 +143,8 @@ class SyncRolloutActor:
         async_grpo = master_config.grpo.async_grpo
         in_flight = 2 + async_grpo.max_trajectory_age_steps if async_grpo.enabled else 1  # batches alive at once
         self.flight = RolloutStash(in_flight) if master_config.logger.flight_recorder.enabled else None
+        #: Message-level penalties (`grpo.invalid_tool_call_advantage`, ...): {message flag: advantage}.
+        self.flag_to_advantage = message_level_advantages(master_config) if master_config.algorithm == "grpo" else {}
 
     def rollout_to_tq(
         self,
@@ -186,6 +201,7 @@ class SyncRolloutActor:
             pad_id,
             cfg.policy.make_sequence_length_divisible_by,
             only_generated=cfg.algorithm != "ppo",  # the loss mask of the matching legacy trainer
+            flag_to_advantage=self.flag_to_advantage if partition_id != VAL_PARTITION else None,  # no loss there
         )
         bulk[SAMPLE_MASK] = final["loss_multiplier"].clone().float()  # [B], legacy sample_mask before filtering
 

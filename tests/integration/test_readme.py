@@ -190,9 +190,12 @@ def _installed(module: str) -> bool:
 
 
 def test_readme_python_blocks_run(workdir, monkeypatch):
-    """The reward example trains (one step), and the loading example loads its checkpoint with transformers."""
+    """The reward example trains (one step), the agents example trains its environment class (one step), and the
+    loading example loads the reward example's checkpoint with transformers."""
     monkeypatch.chdir(workdir)
-    reward_example, load_example = blocks("python")  # exactly these two
+    python_blocks = blocks("python")
+    agents_example = next(b for b in python_blocks if "environment_factory" in b)
+    reward_example, load_example = [b for b in python_blocks if b is not agents_example]  # exactly these three
     train = relayrl.train
 
     def small_train(*args, overrides=None, **kwargs):
@@ -209,3 +212,7 @@ def test_readme_python_blocks_run(workdir, monkeypatch):
     exec(compile(load_example, "README.md", "exec"), scope)
     ids = scope["tokenizer"]("12+3=", return_tensors="pt")["input_ids"]
     assert scope["model"](ids).logits.shape[:2] == ids.shape
+    scope = {}
+    exec(compile(agents_example, "README.md", "exec"), scope)
+    metrics = scope["result"].metrics
+    assert metrics["train/env/episodes"] == 8 and 0.0 <= metrics["train/reward/correct"] <= 1.0

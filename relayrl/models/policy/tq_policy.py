@@ -23,6 +23,7 @@ from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
     LP_SEED_FIELDS,
+    PARTITION_FIELDS,
     TASK_PREV_LP,
     TASK_REF_LP,
     TASK_TRAIN,
@@ -89,13 +90,13 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
         """Register this step's partition (`tq_partition_id`, reused every step) for every train field."""
         check_sample_count(num_samples, "prepare_step")
         self.dp_client.register_partition(
-            self.tq_partition_id, list(DP_TRAIN_FIELDS), num_samples, list(TRAIN_CONSUMER_TASKS), group_size
+            self.tq_partition_id, list(PARTITION_FIELDS), num_samples, list(TRAIN_CONSUMER_TASKS), group_size
         )
 
     def prepare_val_partition(self, num_samples: int, *, partition_id: str = "val") -> None:
         """Register one validation batch's partition: same schema, one consumer task, no GRPO grouping."""
         check_sample_count(num_samples, "prepare_val_partition")
-        self.dp_client.register_partition(partition_id, list(DP_TRAIN_FIELDS), num_samples, [partition_id], None)
+        self.dp_client.register_partition(partition_id, list(PARTITION_FIELDS), num_samples, [partition_id], None)
 
     def discard_samples(self, sample_ids: list[str], partition_id: str) -> None:  # type: ignore[override]
         """Drop `sample_ids` (keys minted at rollout) from partition `partition_id`: at the end of a step

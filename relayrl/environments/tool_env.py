@@ -1,0 +1,251 @@
+"""TRL-style environment classes (`environment_factory`) as a relayrl environment.
+
+The user writes a class; one instance plays one rollout:
+
+- `reset(**row) -> str | None` receives the dataset row's columns (and `prompt`) as keyword arguments (only those
+  it names, unless it takes `**kwargs`); text it returns is appended to the first user message;
+- every public method with type hints and a docstring is a tool (`tool_calls.tool_schemas`), offered to the model
+  through the chat template's `tools=`;
+- the optional `get_reward() -> float` is read when the episode ends and added to the reward functions' weighted
+  sum (functions get the batch's instances as `environments=`, as in TRL).
+
+Each turn the reply is parsed for tool calls; the calls run (concurrently across the batch, with a deadline) and
+their results go back as `tool` messages; a reply without a call ends the episode. A tool that raises returns its
+error text to the model; a malformed call or an unknown tool returns a parse error and flags the message
+`is_invalid_tool_call` (penalised by `grpo.invalid_tool_call_advantage`). Counts are logged as `env/...`.
+An exception in the class's constructor, `reset` or `get_reward` ends the run (`EnvironmentClassError`, one line
+naming the class and the dataset row).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from relayrl.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    EpisodeEnd,
+    EpisodeStart,
+    Message,
+    MessageLog,
+)
+from relayrl.environments.reward_fn_env import RewardFunctionEnvironment
+from relayrl.environments.tool_calls import ToolCallParser, ToolJob, parse_hermes, run_calls, tool_schemas
+
+#: Counters reported per rollout (then reset), as `<prefix>/<name>`.
+COUNTERS = ("episodes", "tool_calls", "tool_errors", "tool_timeouts", "invalid_tool_calls", "tool_latency_s")
+
+
+class EnvironmentClassError(RuntimeError):
+    """The user's environment class raised in its constructor, `reset` or `get_reward` (one line naming it and
+    the dataset row)."""
+
+
+@dataclass
+class _Episode:
+    env: Any
+    where: str  # "dataset row N" / "batch row N", for errors
+
+
+class ToolEnvironment(EnvironmentInterface):
+    """Runs rollouts of one environment class; rows carry their episode's id in their metadata (`episode`)."""
+
+    def __init__(
+        self,
+        factory: type,
+        *,
+        reward_fns: RewardFunctionEnvironment | None = None,
+        parser: ToolCallParser = parse_hermes,
+        tool_timeout_s: float = 60.0,
+        template_kwargs: dict[str, Any] | None = None,
+        metric_prefix: str = "env",
+    ) -> None:
+        if not callable(factory):
+            raise ValueError(f"environment_factory {factory!r} is not a class (or callable making an environment)")
+        self.factory = factory
+        self.name = getattr(factory, "__name__", type(factory).__name__)
+        self.schemas = tool_schemas(factory) if isinstance(factory, type) else {}
+        self.tools = list(self.schemas.values()) or None
+        self.reward_fns = reward_fns
+        self.parser = parser
+        self.tool_timeout_s = tool_timeout_s
+        self.template_kwargs = dict(template_kwargs or {})
+        self.metric_prefix = metric_prefix
+        self._episodes: dict[int, _Episode] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+
+    # ------------------------------------------------------------------ episodes
+    def start_episodes(self, metadata: list[dict[str, Any] | None]) -> list[EpisodeStart]:
+        """One instance per row, reset with the row's columns; the prompt conversation gains the text it returns."""
+        starts = []
+        for k, meta in enumerate(metadata):
+            meta = dict(meta or {})
+            where = f"dataset row {meta['row']}" if meta.get("row") is not None else f"batch row {k}"
+            env = self._user_call(self.factory, "()", where)
+            reset = getattr(env, "reset", None)  # optional: a class without one starts every episode as it is
+            text = self._user_call(reset, ".reset", where, **_reset_kwargs(reset, meta)) if callable(reset) else None
+            if text is not None and not isinstance(text, str):
+                raise EnvironmentClassError(
+                    f"{self.name}.reset returned a {type(text).__name__} on {where}; return a str or None"
+                )
+            with self._lock:
+                episode = next(self._ids)
+                self._episodes[episode] = _Episode(env, where)
+            messages = [dict(m) for m in meta.get("messages") or [{"role": "user", "content": str(meta.get("prompt"))}]]
+            if text:
+                first = next((m for m in messages if m["role"] == "user"), messages[-1])
+                first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
+            self._counts["episodes"] += 1
+            starts.append(EpisodeStart(messages, self.tools, self.template_kwargs, {**meta, "episode": episode}))
+        return starts
+
+    def step(self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any] | None]) -> EnvironmentReturn:
+        """Run the tool calls of every reply; a reply without calls ends its episode with its final reward."""
+        n = len(message_log_batch)
+        metas = [dict(m or {}) for m in metadata]
+        episodes = [self._episode(m) for m in metas]
+        observations: list[Message] = [{"role": "environment", "content": ""} for _ in range(n)]
+        flags: list[dict[str, bool]] = [{} for _ in range(n)]
+        jobs: list[list[ToolJob]] = [[] for _ in range(n)]
+        finished: list[int] = []
+        for r, log in enumerate(message_log_batch):
+            reply = next((str(m.get("content") or "") for m in reversed(log) if m.get("role") == "assistant"), "")
+            try:
+                calls = self.parser(reply)
+                unknown = [c["name"] for c in calls if c["name"] not in self.schemas]
+                if unknown:
+                    raise ValueError(f"unknown tool {unknown[0]!r}; tools: {', '.join(self.schemas) or 'none'}")
+            except ValueError as exc:
+                self._counts["invalid_tool_calls"] += 1
+                flags[r] = {"is_invalid_tool_call": True}
+                observations[r] = _chat([{"role": "tool", "content": f"Error: {exc}"}])
+                continue
+            if not calls:
+                finished.append(r)
+                continue
+            jobs[r] = [ToolJob(episodes[r].env, c["name"], c["arguments"]) for c in calls]
+        results = run_calls(jobs, self.tool_timeout_s)
+        for r, row_results in enumerate(results):
+            if not row_results:
+                continue
+            tool_messages = []
+            for job, res in zip(jobs[r], row_results):
+                self._counts["tool_calls"] += 1
+                self._counts["tool_latency_s"] += res.latency_s
+                self._counts["tool_errors"] += res.status == "error"
+                self._counts["tool_timeouts"] += res.status == "timeout"
+                tool_messages.append({"role": "tool", "name": job.name, "content": res.text})
+            observations[r] = _chat(tool_messages)
+        rewards = torch.zeros(n, dtype=torch.float32)  # [B]
+        terminated = torch.zeros(n, dtype=torch.bool)  # [B]
+        if finished:
+            end = self._finish([message_log_batch[r] for r in finished], [metas[r] for r in finished])
+            rewards[finished] = end.rewards
+            terminated[finished] = True
+            for r, meta in zip(finished, end.metadata):
+                metas[r] = meta or {}
+        return EnvironmentReturn(
+            observations=observations,
+            metadata=list(metas),
+            next_stop_strings=[None] * n,
+            rewards=rewards,
+            terminateds=terminated,
+            message_flags=flags,
+        )
+
+    def end_episodes(self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any] | None]) -> EpisodeEnd:
+        """Final rewards of episodes the rollout stopped (turn limit, sequence budget)."""
+        return self._finish(message_log_batch, [dict(m or {}) for m in metadata])
+
+    def _finish(self, logs: list[MessageLog], metas: list[dict[str, Any]]) -> EpisodeEnd:
+        """`get_reward()` plus the reward functions (given `environments=`), then release the instances."""
+        episodes = [self._episode(m) for m in metas]
+        own = [0.0] * len(logs)
+        if callable(getattr(self.factory, "get_reward", None)):
+            own = [float(self._user_call(ep.env.get_reward, ".get_reward", ep.where)) for ep in episodes]
+        total = torch.tensor(own, dtype=torch.float32)  # [B]
+        components: list[dict[str, Any]] = [
+            {"get_reward": v} if hasattr(self.factory, "get_reward") else {} for v in own
+        ]
+        if self.reward_fns is not None:
+            with_envs = [
+                {**m, "columns": {**(m.get("columns") or {}), "environments": ep.env}} for m, ep in zip(metas, episodes)
+            ]
+            ret = self.reward_fns.step([[_role_content(x) for x in log] for log in logs], with_envs)
+            total += ret.rewards.to(torch.float32)
+            for parts, meta in zip(components, ret.metadata):
+                parts.update((meta or {}).get("reward_components") or {})
+        with self._lock:
+            for m in metas:
+                self._episodes.pop(int(m["episode"]), None)
+        # the episode's id is this process's counter: it leaves the row's metadata with the episode (records of a
+        # resumed run then equal an uninterrupted run's)
+        out = [
+            {**{k: v for k, v in m.items() if k != "episode"}, "reward_components": p}
+            for m, p in zip(metas, components)
+        ]
+        return EpisodeEnd(total, list(out))
+
+    # ------------------------------------------------------------------ helpers
+    def _episode(self, meta: dict[str, Any]) -> _Episode:
+        episode = meta.get("episode")
+        with self._lock:
+            found = self._episodes.get(int(episode)) if episode is not None else None
+        if found is None:
+            raise RuntimeError(f"{self.name}: a row reached the environment with no live episode ({episode!r})")
+        return found
+
+    def _user_call(self, fn: Any, what: str, where: str, **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+            raise EnvironmentClassError(
+                f"environment class {self.name}{what} failed on {where}: {type(exc).__name__}: {first}"
+            ) from exc
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """`<prefix>/<counter>` since the last call (then reset), tool latency as a mean per call, and the reward
+        functions' `reward/<name>`."""
+        c, p = self._counts, self.metric_prefix
+        out = {f"{p}/{k}": v for k, v in c.items() if k != "tool_latency_s"}
+        out[f"{p}/tool_latency_s"] = c["tool_latency_s"] / c["tool_calls"] if c["tool_calls"] else 0.0
+        self._counts = dict.fromkeys(COUNTERS, 0.0)
+        if self.reward_fns is not None:
+            out.update(self.reward_fns.rollout_metrics())
+        return out
+
+    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, Any]]:
+        """Mean reward over the batch (as the reward-function environment reports it)."""
+        rewards = torch.as_tensor(batch["rewards"] if "rewards" in batch else batch["total_reward"])  # [B]
+        n = rewards.shape[0]
+        return batch, {"reward_mean": rewards.float().mean().item() if n else 0.0, "num_problems_in_batch": n}
+
+
+def _chat(messages: list[Message]) -> Message:
+    """An observation the rollout renders through the chat template (role of the log entry: `tool`)."""
+    return {"role": "tool", "content": "", "chat": messages}
+
+
+def _role_content(message: Message) -> Message:
+    return {"role": message["role"], "content": message["content"]}
+
+
+def _reset_kwargs(reset: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """The row's columns (and `prompt`) as `reset` takes them: all with `**kwargs`, else those it names."""
+    row = {**(meta.get("columns") or {})}
+    if meta.get("prompt") is not None:
+        row.setdefault("prompt", meta["prompt"])
+    params = inspect.signature(reset).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return row
+    names = {p.name for p in params}
+    return {k: v for k, v in row.items() if k in names}

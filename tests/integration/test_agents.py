@@ -1,0 +1,166 @@
+"""A new user's TRL-style environment class (one tool, `reset`, `get_reward`) trains 3 steps on the shipped model,
+from `relayrl.train` and from the CLI, on the data-plane trainer (the default) and the legacy one (issue 26).
+
+The shipped model answers `\\boxed{N}` and knows no tool-call format, so these runs read that answer as a call of
+the class's `check` tool (`env.tool_call_parser`, the pluggable parser): every first turn calls the tool, the
+tool's answer is appended as a `tool` message through the chat template, and the model answers again. What is
+asserted is the mechanism: the tool ran, its message is in the trained sequence and masked out of the loss, the
+counts and rewards are logged, and both trainers log the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import relayrl
+from relayrl.cli.main import main
+from tests.helpers import metrics_by_step
+
+SMALL = {
+    "grpo.num_prompts_per_step": 2,
+    "grpo.num_generations_per_prompt": 2,
+    "policy.train_global_batch_size": 4,
+    "policy.train_micro_batch_size": 4,
+    "logger.progress_bar": False,
+    "grpo.max_num_steps": 3,
+    "grpo.max_rollout_turns": 2,
+    "grpo.val_at_start": False,
+    "grpo.val_period": 0,
+    "grpo.val_at_end": False,
+    "env.tool_call_parser": "tests.integration.test_agents:boxed_as_call",
+    "grpo.invalid_tool_call_advantage": -1.0,
+}
+
+USER_CLASS = '''
+class Checker:
+    """Checks an answer against the row's."""
+
+    def reset(self, answer, **row):
+        self.answer, self.checked = str(answer), []
+
+    def check(self, value: str) -> str:
+        """Check a candidate answer.
+
+        Args:
+            value: the candidate answer
+        """
+        self.checked.append(value)
+        return "correct" if value == self.answer else "wrong"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.answer in self.checked else 0.0
+'''
+
+
+def boxed_as_call(text: str) -> list[dict]:
+    """The shipped model's `\\boxed{N}` as a call `check(value=N)`; no box, no call (the episode ends). A negative N
+    is a malformed call here (counted, returned to the model as an error, penalised by invalid_tool_call_advantage)."""
+    found = re.search(r"\\boxed\{([^}]*)\}", text)
+    if found and found.group(1).startswith("-"):
+        raise ValueError("negative")
+    return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
+
+
+def checks(prompts, completions, environments, **columns):
+    """A reward function reading the batch's environment instances (TRL's `environments=`)."""
+    return [0.5 * len(env.checked) for env in environments]
+
+
+def _user_module(directory: Path) -> type:
+    namespace: dict = {}
+    exec(compile(USER_CLASS, str(directory / "checker.py"), "exec"), namespace)
+    return namespace["Checker"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same user code run twice: from `relayrl.train` on the data-plane trainer (the default), and from the CLI
+    (class and reward function by import path) on the legacy trainer."""
+    root = tmp_path_factory.mktemp("agents")
+    result = relayrl.train(
+        environment_factory=_user_module(root), reward_fns=[checks], run_dir=root / "api", overrides=SMALL
+    )
+    (root / "checker.py").write_text(USER_CLASS)
+    sys.modules.pop("relayrl_reward_checker", None)
+    argv = ["train", "--run-dir", str(root / "cli"), f"env.environment_factory={root / 'checker.py'}:Checker"]
+    argv += ["env.reward_fns=[tests.integration.test_agents:checks]", "data_plane.enabled=false"]
+    assert main(argv + [f"{k}={v}" for k, v in SMALL.items()]) == 0
+    return {"api": result.run_dir, "cli": root / "cli"}
+
+
+def test_environment_class_trains_3_steps_from_the_python_api(runs, char_tokenizer) -> None:
+    steps = metrics_by_step(runs["api"], skip=("per_sec", "latency", "timing"))
+    assert sorted(steps) == [1, 2, 3]
+    for m in steps.values():
+        assert m["train/env/episodes"] == 4
+        assert m["train/env/tool_errors"] == 0 and m["train/env/tool_timeouts"] == 0
+        # every second turn follows a call (valid or not) in the first
+        calls = m["train/env/tool_calls"] + m["train/env/invalid_tool_calls"]
+        assert 1.0 <= m["train/avg_turns_per_sample"] <= 2.0 and calls >= 4 * (m["train/avg_turns_per_sample"] - 1)
+    assert sum(m["train/env/tool_calls"] for m in steps.values()) > 0  # the tool ran
+    assert sum(m["train/env/invalid_tool_calls"] for m in steps.values()) > 0  # malformed calls were counted
+    marker = char_tokenizer("<|tool|>", add_special_tokens=False)[
+        "input_ids"
+    ]  # a tool turn, as the template renders it
+    rows = []
+    for step in (1, 2, 3):
+        rows += pq.read_table(runs["api"] / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
+    seen = set()
+    for row in rows:
+        n = row["input_lengths"]
+        ids, mask = row["input_ids"][:n], row["token_mask"][:n]
+        parts = json.loads(row["env_metadata"])["reward_components"]
+        assert row["reward_env"] == pytest.approx(parts["get_reward"] + parts["checks"])  # get_reward + functions
+        at = [k for k in range(n) if ids[k : k + len(marker)] == marker]
+        if not at:
+            continue
+        # the tool's answer is in the trained sequence, out of the loss, between two trained replies
+        end = at[0] + mask[at[0] :].index(1)
+        text = char_tokenizer.decode(ids[at[0] : end], skip_special_tokens=False)
+        found = re.fullmatch(r"<\|tool\|>(correct|wrong|Error: negative)<\|end\|><\|assistant\|>", text)
+        assert found, text
+        assert mask[at[0] - 1] == 1 and set(mask[at[0] : end]) == {0} and mask[end] == 1
+        seen.add(found.group(1)[:5])
+        advantages = row["advantages"]
+        if found.group(1).startswith("Error"):  # the malformed call's reply carries the penalty, token by token
+            first_reply = [k for k in range(at[0]) if mask[k]]
+            assert [advantages[k] for k in first_reply] == [-1.0] * len(first_reply)
+        else:
+            assert parts["checks"] == 0.5
+    assert "Error" in seen and seen & {"corre", "wrong"}
+
+
+def test_the_cli_on_the_legacy_trainer_logs_the_same_numbers(runs) -> None:
+    keys = ("train/reward", "train/loss", "train/grad_norm", "train/total_num_tokens", "train/env/tool_calls")
+    keys += ("train/env/episodes", "train/env/invalid_tool_calls", "train/advantages/mean", "train/advantages/min")
+    keys += ("train/reward/checks",)
+    a = metrics_by_step(runs["api"])
+    b = metrics_by_step(runs["cli"])
+    assert sorted(a) == sorted(b) == [1, 2, 3]  # 3 steps each
+    for step in (1, 2, 3):
+        assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}
+
+
+def test_a_failing_reset_ends_the_cli_run_with_one_line(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "bad_env.py").write_text(
+        USER_CLASS.replace("Checker", "Picky").replace(
+            "self.answer, self.checked = str(answer), []",
+            "self.answer, self.checked = str(1 // (int(answer) - 50)), []",
+        )
+    )
+    data = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(45, 53)]  # answer 50 divides by zero: row 5
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--run-dir", "run", "env.environment_factory=bad_env.py:Picky", "data.shuffle=false"]
+    argv += ["data.train.source=file", "data.train.path=data.jsonl"]
+    argv += [f"{k}={v}" for k, v in SMALL.items()]
+    assert main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
+    assert len(err) == 1, err
+    assert "environment class Picky.reset failed on dataset row 5: ZeroDivisionError: integer division" in err[0]
