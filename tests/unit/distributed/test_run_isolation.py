@@ -88,13 +88,15 @@ def test_a_local_ray_started_by_relayrl_requires_its_token(tmp_path: Path) -> No
         def join(code: str = _JOIN, **extra: str) -> subprocess.Popen[str]:
             return subprocess.Popen(
                 [sys.executable, "-c", code, address],
-                env=env | extra,
+                # Ray retries a refused connection for ~20 s; 3 tries are plenty for a cluster that is up (the
+                # clients with the right token join within them too)
+                env=env | {"RAY_gcs_server_port_wait_time_s": "3"} | extra,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
 
-        # the three clients side by side: a refused one only fails after Ray's own connection time-out
+        # the clients side by side: a refused one only fails after Ray's connection retries
         clients = [join(), join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)]
         clients.append(join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token))
         clients.append(join(_JOIN_RELAYRL, RAY_ADDRESS=address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token))
