@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import socket
 import sys
@@ -84,6 +85,15 @@ def _token_for_local_ray() -> None:
     if "RAY_AUTH_MODE" in os.environ or "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ:
         return
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def death_site(exc: BaseException) -> str:
+    """Where a Ray actor died, from Ray's error text: its pid and node address, in a few words."""
+    text = str(exc)
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: ([\w.:-]+)", text)
+    found = [f"pid {pid.group(1)}" if pid else "", f"node {ip.group(1)}" if ip else ""]
+    return ", ".join(f for f in found if f) or type(exc).__name__
 
 
 def get_within(ref: Any, timeout_s: float, what: str, key: str) -> Any:
@@ -385,7 +395,8 @@ class RayWorkerGroup(Generic[W]):
                 except RayActorError as exc:
                     self._teardown(graceful=False)
                     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise WorkerDiedError(f"rank {rank} died during {what!r}: {reason}") from exc
+                    where = f"{self._label}, {death_site(exc)}"
+                    raise WorkerDiedError(f"rank {rank} ({where}) died during {what!r}: {reason}") from exc
                 except Exception as exc:  # noqa: BLE001 - a Python error on that rank, re-raised below
                     if failure is None:
                         failure = exc

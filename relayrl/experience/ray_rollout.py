@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import re
 from typing import Any
 
 import torch
@@ -171,7 +170,7 @@ class RayRolloutActor:
     def _get(self, ref: Any, what: str) -> Any:
         """The call's result within `cluster.start_timeout_s` (start-up) or `cluster.call_timeout_s` (any other
         call); past it a TimeoutError names the call and the key."""
-        from relayrl.distributed.ray_executor import get_within
+        from relayrl.distributed.ray_executor import death_site, get_within
 
         try:
             if what == "start-up":
@@ -182,7 +181,7 @@ class RayRolloutActor:
             raise
         except self._ray.exceptions.RayActorError as exc:  # its process died (killed, OOM, its node lost)
             self._stuck = True  # nothing more to ask it: shutdown only makes sure it is gone
-            raise ActorLostError(f"the rollout actor died during {what!r} ({_where(exc)})") from None
+            raise ActorLostError(f"the rollout actor died during {what!r} ({death_site(exc)})") from None
 
     def shutdown(self) -> bool:
         """Take the sampling stream back into the driver's engine, detach the actor from the store, stop it."""
@@ -197,12 +196,3 @@ class RayRolloutActor:
             with contextlib.suppress(Exception):  # already gone with its node or process
                 self._ray.kill(self._actor, no_restart=True)
         return True
-
-
-def _where(exc: BaseException) -> str:
-    """Where a Ray actor died, from Ray's error text: its pid and node address, in a few words."""
-    text = str(exc)
-    pid = re.search(r"\bpid: (\d+)", text)
-    ip = re.search(r"\bip: ([\w.:-]+)", text)
-    found = [f"pid {pid.group(1)}" if pid else "", f"node {ip.group(1)}" if ip else ""]
-    return ", ".join(f for f in found if f) or type(exc).__name__
