@@ -87,6 +87,21 @@ def _token_for_local_ray() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+def _check_nodes_fit(num_nodes: int, node_bundle: dict[str, float]) -> None:
+    """cluster.num_nodes > 1 places one bundle per node on distinct nodes: say so at once when the cluster has fewer
+    nodes that can hold one, instead of waiting for a placement group that can never be ready."""
+    fit = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and all(n.get("Resources", {}).get(res, 0.0) >= amount for res, amount in node_bundle.items())
+    ]
+    if len(fit) < num_nodes:
+        raise ValueError(
+            f"cluster.num_nodes={num_nodes} places {node_bundle} on each of {num_nodes} distinct nodes, but the Ray "
+            f"cluster has {len(fit)} node(s) with that much: lower cluster.num_nodes or join a larger cluster"
+        )
+
+
 def death_site(exc: BaseException) -> str:
     """Where a Ray actor died, from Ray's error text: its pid and node address, in a few words."""
     text = str(exc)
@@ -267,9 +282,17 @@ class RayWorkerGroup(Generic[W]):
                     f"cluster: {self._world} workers x {amount:g} {res} need {amount * self._world:g} {res} but the "
                     f"Ray cluster has {total.get(res, 0.0):g} in total"
                 )
-        self._pg = placement_group(
-            [dict(bundle) for _ in range(self._world)], strategy="PACK", name=f"{self._name}-pg-{uuid.uuid4().hex[:8]}"
-        )
+        # one node: a bundle per rank, packed; several: a bundle per node (its workers_per_node ranks) on distinct
+        # nodes, so that num_nodes means nodes and NODE_RANK/LOCAL_RANK follow from the placement
+        per_node = cluster.num_nodes > 1
+        wpn = cluster.workers_per_node
+        if per_node:
+            node_bundle = {res: amount * wpn for res, amount in bundle.items()}
+            _check_nodes_fit(cluster.num_nodes, node_bundle)
+            bundles, strategy = [dict(node_bundle) for _ in range(cluster.num_nodes)], "STRICT_SPREAD"
+        else:
+            bundles, strategy = [dict(bundle) for _ in range(self._world)], "PACK"
+        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._name}-pg-{uuid.uuid4().hex[:8]}")
         self.placement_group_id = self._pg.id.hex()
         try:
             ray.get(self._pg.ready(), timeout=timeout)
@@ -288,7 +311,7 @@ class RayWorkerGroup(Generic[W]):
                     num_gpus=cluster.gpus_per_worker,
                     max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=r
+                        placement_group=self._pg, placement_group_bundle_index=r // wpn if per_node else r
                     ),
                 ).remote(r, self._world, {**env, "RANK": str(r), "WORLD_SIZE": str(self._world)})
             )
@@ -303,9 +326,12 @@ class RayWorkerGroup(Generic[W]):
         for r, (actor, info) in enumerate(zip(self._actors, infos)):
             local_rank = seen.get(info["node_id"], 0)
             seen[info["node_id"]] = local_rank + 1
+            node_rank = nodes.index(info["node_id"])
+            if per_node:  # from the placement: bundle r // workers_per_node is node r // workers_per_node
+                local_rank, node_rank = r % wpn, r // wpn
             rank_env = {
                 "LOCAL_RANK": str(local_rank),
-                "NODE_RANK": str(nodes.index(info["node_id"])),
+                "NODE_RANK": str(node_rank),
                 "MASTER_ADDR": str(infos[0]["ip"]),
                 "MASTER_PORT": str(infos[0]["port"]),
             }
