@@ -3,10 +3,12 @@
 #   bash scripts/reference_runs.sh run OUT [STEPS]   # default GRPO and PPO (data-plane and legacy), async d=1, a replay
 #   bash scripts/reference_runs.sh compare A B       # `relayrl diff` of each pair; exit 1 if any differs
 # RAY=1 adds the 2-worker Ray config. Runs are shortened to STEPS (default 40) with the schedule horizon shortened
-# alike, so a baseline and a candidate must use the same STEPS.
+# alike, so a baseline and a candidate must use the same STEPS. The PPO runs use PPO_CONFIG, a frozen copy of
+# configs/ppo_arith_tiny.yaml as the a928c7c baseline was made with (the shipped config was retuned since).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RELAYRL=${RELAYRL:-.venv/bin/relayrl}
+PPO_CONFIG=scripts/reference/ppo_arith_tiny_a928c7c.yaml
 NAMES="grpo grpo_legacy ppo ppo_legacy grpo_async replay"
 [ "${RAY:-0}" = 1 ] && NAMES="$NAMES grpo_ray"
 
@@ -18,8 +20,8 @@ run() {
     local common=("grpo.max_num_steps=$steps" "grpo.val_period=20")
     $RELAYRL train --run-dir "$out/grpo" "${common[@]}" checkpointing.save_period=10 checkpointing.keep_top_k=null
     $RELAYRL train --run-dir "$out/grpo_legacy" "${common[@]}" data_plane.enabled=false
-    $RELAYRL train --config configs/ppo_arith_tiny.yaml --run-dir "$out/ppo" "ppo.max_num_steps=$steps" ppo.val_period=20
-    $RELAYRL train --config configs/ppo_arith_tiny.yaml --run-dir "$out/ppo_legacy" "ppo.max_num_steps=$steps" \
+    $RELAYRL train --config "$PPO_CONFIG" --run-dir "$out/ppo" "ppo.max_num_steps=$steps" ppo.val_period=20
+    $RELAYRL train --config "$PPO_CONFIG" --run-dir "$out/ppo_legacy" "ppo.max_num_steps=$steps" \
         ppo.val_period=20 data_plane.enabled=false
     $RELAYRL train --run-dir "$out/grpo_async" "${common[@]}" grpo.async_grpo.enabled=true \
         grpo.async_grpo.max_trajectory_age_steps=1

@@ -7,7 +7,8 @@ async adds goes through the source's hooks: a weights snapshot published after t
 weights version `k - 1 - d` (d = `grpo.async_grpo.max_trajectory_age_steps`), so timing never decides which
 weights made which samples (d = 0 reproduces `grpo_train_sync`); the importance-sampling correction for stale
 samples; each batch's partition retired after its step; checkpoints that drain and store the producer
-(`async_state.py`), so a resume logs what the uninterrupted run logs.
+(`async_state.py`; the batches' rows in the checkpoint's data-plane store with `checkpointing.save_data_plane`), so
+a resume logs what the uninterrupted run logs.
 
 This module builds what the producer generates with (`ProducerSide`, per executor), restores a checkpoint's
 batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where the producer generates and how
@@ -165,10 +166,11 @@ def grpo_train_async(
     try:
         last = checkpointer.get_latest_checkpoint_path() if start_version > 0 else None
         saved = last / ASYNC_STATE if last is not None else None
-        state, rng, dropped = load_producer_state(saved, grpo_save_state, cfg)
+        restored = load_producer_state(saved, grpo_save_state, cfg)
+        state, rng, dropped = restored.state, restored.rng, restored.dropped_groups
         if rng is not None:
             side.engine.set_rng_state(rng)
-        restore_batches(state.ready, side.client, cfg.grpo.num_generations_per_prompt)
+        restore_batches(restored, side.client, cfg.grpo.num_generations_per_prompt)
         rows_file = last / ASYNC_FLIGHT_ROWS if last is not None else None
         if rows_file is not None and rows_file.is_file():  # the recorder's rows of those batches
             rows = json.loads(rows_file.read_text())

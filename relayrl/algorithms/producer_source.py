@@ -205,9 +205,11 @@ class ProducerSource:
 
     # ------------------------------------------------------------------ around the step
     def save_state(self, directory: Path) -> None:
-        """Checkpoint hook (after the loader's drain): the unconsumed batches with their rows, and the producer."""
+        """Checkpoint hook (after the loader's drain): the unconsumed batches with their rows (or, when the checkpoint
+        saves the store, just their descriptions: their partitions are in its data_plane/), and the producer."""
         state, rng, _ = self.producer.snapshot()
-        save_producer_state(directory / ASYNC_STATE, state, rng, self.side.client)
+        in_store = self.cfg.checkpointing.save_data_plane
+        save_producer_state(directory / ASYNC_STATE, state, rng, self.side.client, rows_in_store=in_store)
         stash = getattr(self.side.actor, "flight", None)
         rows: dict[str, Any] | None = None  # their flight-recorder rows (text, env reward): a resumed run records them
         if self.side.ray_actor is not None and self.cfg.logger.flight_recorder.enabled:

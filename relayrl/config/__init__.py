@@ -289,11 +289,6 @@ class MasterConfig(Strict):
                 )
         if self.checkpointing.save_data_plane and not self.data_plane.enabled:
             raise ValueError("checkpointing.save_data_plane=true needs data_plane.enabled=true (there is no store)")
-        if self.checkpointing.save_data_plane and self.algorithm == "grpo" and g.async_grpo.enabled:
-            raise ValueError(
-                "checkpointing.save_data_plane=true with grpo.async_grpo.enabled=true: async GRPO checkpoints its "
-                "in-flight rows itself (async_rollouts.safetensors); set save_data_plane=false"
-            )
         if self.data_plane.enabled:
             val_rows = min(r.max_val_samples, r.val_batch_size) * r.val_num_generations_per_prompt
             need = max(r.rows_per_step * (g.batch_multiplier if self.algorithm == "grpo" else 1), val_rows)

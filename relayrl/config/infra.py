@@ -245,7 +245,8 @@ class CheckpointingConfig(Strict):
     saves weights only and a resume starts the optimizer fresh."""
     save_data_plane: bool = False
     """Also save the data plane's store (every partition's rows, tags and claim cursors) into each checkpoint's
-    `data_plane/` directory and load it on resume (`DataPlaneClient.save_checkpoint`); false saves none."""
+    `data_plane/` directory and load it on resume (`DataPlaneClient.save_checkpoint`); async GRPO's rollouts in
+    flight are then kept there instead of in its own state file. False saves none."""
 
     @model_validator(mode="after")
     def _metric_prefix(self) -> CheckpointingConfig:

@@ -131,6 +131,32 @@ def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_di
         assert a.equals(b), f"recorded rollouts of step {step} differ after resume"
 
 
+def test_sigkill_with_rollouts_in_flight_in_the_data_plane_checkpoint_resumes_exactly(tmp_path, tiny_model_dir):
+    """`checkpointing.save_data_plane=true`: the batches in flight stay in the checkpoint's data-plane store (their
+    partitions, rows and claim cursors), the async state file keeps only their descriptions, and the resume after a
+    SIGKILL logs what the uninterrupted run logs."""
+    store = (*ASYNC, "checkpointing.save_data_plane=true")
+    overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *store)
+    reference = _run(tmp_path, tiny_model_dir, "uninterrupted", *store)
+    run_dir = tmp_path / "killed"
+    sigkill_after_checkpoint(
+        ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides], run_dir / "checkpoints" / "step_2"
+    )
+    step_2 = run_dir / "checkpoints" / "step_2"
+    saved = load_state_file(step_2 / ASYNC_STATE)
+    assert saved["rows_in_store"] and [(b["index"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)]
+    assert all("rows" not in b for b in saved["batches"])
+    parts = {p["id"]: p["state"] for p in load_state_file(step_2 / "data_plane" / "store.safetensors")["partitions"]}
+    for b in saved["batches"]:  # each batch's partition: its 16 keys, nobody's claim yet
+        assert parts[b["partition_id"]]["keys"] == b["keys"] and len(b["keys"]) == 16
+        assert not any(parts[b["partition_id"]]["consumed"].values())
+    assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
+    resumed = _metrics(run_dir)
+    for step in range(3, STEPS + 1):
+        assert resumed[step] == reference[step], f"step {step} differs after resume"
+    assert (run_dir / "checkpoints" / f"step_{STEPS}" / "data_plane" / "manifest.json").is_file()
+
+
 def test_sigkill_with_rollouts_in_flight_across_an_epoch_end(tmp_path, tiny_model_dir):
     """3 batches per epoch, 2 epochs: after step 2, batch 3 (epoch 0's last) and batch 4 (epoch 1's first) are in
     flight; the resumed run ends the epoch where the uninterrupted one did and logs the same metrics."""

@@ -1,5 +1,6 @@
 """End to end on CPU: PPO through `run_training` (3 steps, critic warm-up, 2 PPO epochs), SIGKILL + exact resume of
-policy and critic, on the legacy and the data-plane trainer; the critic learning on the shipped model; and GRPO
+policy and critic, on the legacy and the data-plane trainer; the shipped PPO config's policy and critic learning on
+the shipped model; and GRPO
 trained against a learned reward (the `reward_model` environment)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from relayrl.utils.config_io import load_config
 from tests.helpers import metrics_by_step, metrics_rows, sigkill_after_checkpoint, tiny_ppo_overrides
 
 STEPS = 3
+PPO_CONFIG = str(Path(__file__).parents[2] / "configs" / "ppo_arith_tiny.yaml")  # the shipped config
 _RUN_PPO = (
     "import sys; from pathlib import Path; from relayrl.algorithms.setup import run_training; "
     "from relayrl.utils.config_io import load_config; run_training(load_config(None, sys.argv[2:]), Path(sys.argv[1]))"
@@ -92,7 +94,7 @@ def test_ppo_critic_learns_on_the_shipped_model(tmp_path):
         "logger.tensorboard_enabled=false",
     ]
     run_dir = tmp_path / "critic"
-    run_training(load_config(str(Path(__file__).parents[2] / "configs" / "ppo_arith_tiny.yaml"), overrides), run_dir)
+    run_training(load_config(PPO_CONFIG, overrides), run_dir)
     steps = metrics_by_step(run_dir)
     assert sorted(steps) == list(range(1, 21)) and all(m["train/policy_trained"] == 0.0 for m in steps.values())
     loss = [steps[s]["critic/loss"] for s in range(1, 21)]
@@ -100,6 +102,28 @@ def test_ppo_critic_learns_on_the_shipped_model(tmp_path):
     first, last = sum(loss[:5]) / 5, sum(loss[-5:]) / 5
     assert last <= 0.85 * first, f"critic loss {first:.4f} -> {last:.4f} (first / last 5 steps)"
     assert sum(explained[-5:]) / 5 >= sum(explained[:5]) / 5 + 0.15, explained
+
+
+def test_ppo_policy_learns_on_the_shipped_model(tmp_path):
+    """Learning, in numbers: 40 steps of the shipped PPO config (configs/ppo_arith_tiny.yaml, seed 42) raise the
+    shipped model's greedy accuracy on the 200 held-out validation problems by at least 8 points. Measured on a
+    2-core CPU (about 30 CPU seconds a run): seed 42 0.300 -> 0.435 (+13.5 points); seeds 1, 2, 3: +18.5, +12.0,
+    +13.5. Runs that do not learn fail the bound: the actor frozen (ppo.policy_training_start_step=1000) stays at
+    0.300 (+0), and the config's earlier policy lr 1e-4 goes 0.300 -> 0.200 (-10.0) on the remade warm start."""
+    overrides = [
+        "ppo.max_num_steps=40",
+        "ppo.val_period=0",  # validation at start and end only
+        "checkpointing.enabled=false",
+        "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false",
+    ]
+    run_dir = tmp_path / "ppo"
+    run_training(load_config(PPO_CONFIG, overrides), run_dir)
+    steps = metrics_by_step(run_dir)
+    assert all(steps[s]["train/policy_trained"] == 1.0 for s in range(1, 41))
+    val = {s: m["validation/accuracy"] for s, m in steps.items() if "validation/accuracy" in m}
+    assert sorted(val) == [0, 40]
+    assert val[40] - val[0] >= 0.08, f"validation accuracy {val[0]:.3f} -> {val[40]:.3f}: learned < 8 points"
 
 
 @pytest.fixture()
