@@ -205,6 +205,16 @@ class LoraConfig(Strict):
     """Seed of the adapters' random start (lora_A; lora_B starts at zero), the same on every executor and rank."""
 
 
+def _check_precision(section: str, precision: str, strategy: str) -> None:
+    """float16's loss scaler decides overflow per rank; fsdp2 ranks hold different gradient shards and could
+    disagree, so that pairing is refused."""
+    if precision == "float16" and strategy == "fsdp2":
+        raise ValueError(
+            f"{section}.precision=float16 does not support {section}.data_parallel.strategy=fsdp2 (loss scaling over "
+            "sharded gradients); use precision=bfloat16 or strategy=manual / ddp"
+        )
+
+
 class PolicyConfig(BatchingModes):
     model_name: str = BUILTIN_TINY_MODEL
     """A local Hugging Face causal-LM directory (or `builtin:tiny-arith`, the shipped model)."""
@@ -229,8 +239,9 @@ class PolicyConfig(BatchingModes):
     """Token limit of prompt plus everything generated (all turns): generation stops there, and the prompt limit
     defaults to it minus generation.max_new_tokens. Also sizes the default packing / dynamic-batching budgets."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the forward passes (autocast; master weights and optimizer state stay float32); weights
-    refit into the generation engine are cast to it."""
+    """Compute dtype of the forward passes (autocast; master weights and optimizer state stay float32). Generation
+    decodes from a copy of the projection weights in it, refreshed after every update, with a KV cache in it; weights
+    refit into generation workers are cast to it. float16 trains with dynamic loss scaling (not with fsdp2)."""
     max_grad_norm: PositiveFloat | None = 1.0
     """Clip the global L2 gradient norm (over all ranks) to this before each optimizer step; None: no clipping (the
     norm is still logged, and a non-finite one skips the step)."""
@@ -257,6 +268,7 @@ class PolicyConfig(BatchingModes):
     @model_validator(mode="after")
     def _one_batching_mode(self) -> PolicyConfig:
         _check_batching("policy", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        _check_precision("policy", self.precision, self.data_parallel.strategy)
         if self.lora.enabled and self.data_parallel.strategy == "fsdp2":
             raise ValueError(
                 "policy.lora.enabled=true does not support policy.data_parallel.strategy=fsdp2 (the sharded replica "
@@ -348,7 +360,8 @@ class ValueConfig(BatchingModes):
     """Longest sequence the critic is sized for: the default packing / dynamic-batching budgets and their fit
     check use it (sequence lengths themselves follow policy.max_total_sequence_length)."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the critic's forward passes (autocast; master weights stay float32)."""
+    """Compute dtype of the critic's forward passes (autocast; master weights stay float32; float16 with dynamic loss
+    scaling, not with fsdp2)."""
     max_grad_norm: PositiveFloat | None = 1.0
     """Clip the critic's global gradient L2 norm to this before each step; None: no clipping."""
     activation_checkpointing: bool = False
@@ -365,6 +378,7 @@ class ValueConfig(BatchingModes):
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ValueConfig:
         _check_batching("value", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        _check_precision("value", self.precision, self.data_parallel.strategy)
         return self
 
 

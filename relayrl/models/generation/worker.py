@@ -66,7 +66,12 @@ class GenerationWorker:
         # The engine reads this worker's module in place (the "colocated" engine mode): refit writes into it.
         gen_cfg = policy_config.generation.model_copy(update={"colocated": ColocatedConfig(enabled=True)})
         self.engine = HfGeneration(
-            gen_cfg, tokenizer, self._source, max_total_sequence_length=max_total_sequence_length, seed=seed
+            gen_cfg,
+            tokenizer,
+            self._source,
+            max_total_sequence_length=max_total_sequence_length,
+            seed=seed,
+            precision=policy_config.precision,
         )
         self._refit_info: refit.RefitInfo | None = None
         self._weight_group: refit.WeightUpdateGroup | None = None
