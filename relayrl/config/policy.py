@@ -186,6 +186,15 @@ class BatchingModes(Strict):
     """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
 
 
+class ReferenceConfig(Strict):
+    """Where the frozen reference model (the KL term's pi_ref) lives between its passes."""
+
+    offload: bool = False
+    """Park the reference on the CPU and move it to the device for each reference pass (saves device memory, costs
+    two copies a step). false: it stays resident on the device. Either way, under bfloat16 / float16 its projections
+    are stored in that precision (the values autocast would compute with; half the memory). No effect on a CPU."""
+
+
 class LoraConfig(Strict):
     """Low-rank adapters (LoRA, through `peft`, the `lora` extra): the base weights stay frozen and only the adapters
     train, are checkpointed and carry optimizer state; the reference policy is the base model with the adapters off."""
@@ -248,6 +257,10 @@ class PolicyConfig(BatchingModes):
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in the backward pass instead of storing them (less memory, more
     compute); ignored for models that do not support gradient checkpointing."""
+    empty_cache_between_phases: bool = False
+    """On a GPU, return torch's cached allocator blocks to the driver at each phase change (generation, log-prob
+    passes, training): frees memory for other processes, at the cost of re-allocating it every step. Off: memory is
+    released only under pressure (torch frees its cache and retries before reporting out-of-memory). No-op on CPU."""
     native_cpu_ops: bool = True
     """On CPU, the policy and reference passes of a float32 llama-family model run RMSNorm and RoPE (forward and
     backward) as relayrl's compiled kernels, the library `generation.native_cpu_decode` builds; else PyTorch ops."""
@@ -264,6 +277,8 @@ class PolicyConfig(BatchingModes):
     """How data-parallel ranks combine gradients."""
     lora: LoraConfig = LoraConfig()
     """Train low-rank adapters instead of the full weights (off by default)."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The frozen reference model's placement (resident on the device by default)."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> PolicyConfig:
@@ -366,6 +381,10 @@ class ValueConfig(BatchingModes):
     """Clip the critic's global gradient L2 norm to this before each step; None: no clipping."""
     activation_checkpointing: bool = False
     """Recompute backbone activations in the backward pass (less memory, more compute)."""
+    empty_cache_between_phases: bool = False
+    """On a GPU, return torch's cached allocator blocks to the driver at each phase change (generation, log-prob
+    passes, training): frees memory for other processes, at the cost of re-allocating it every step. Off: memory is
+    released only under pressure (torch frees its cache and retries before reporting out-of-memory). No-op on CPU."""
     optimizer: OptimizerConfig = OptimizerConfig(kwargs=AdamWKwargs(lr=1e-4))
     """The critic's AdamW (default lr 1e-4, above the policy's)."""
     scheduler: SchedulerConfig = SchedulerConfig()

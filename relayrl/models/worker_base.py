@@ -248,7 +248,7 @@ class ModelWorker:
             call = TrainCall(gbs=gbs, mbs=mbs, eval_mode=eval_mode, device=device, plan=plan)
             result = train_global_batches(self, data, self._microbatch_loss(loss_fn), call)
         if not eval_mode:
-            dev.empty_cache(self.device)
+            dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
         return {
             **result,
             "weights_version": self.weights_version,
@@ -277,7 +277,7 @@ class ModelWorker:
         set_mode(self.model, True)
         if self.optimizer is not None:
             dev.move_optimizer_state(self.optimizer, self.device)
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
 
     def finish_training(self) -> None:
         set_mode(self.model, False)
@@ -290,13 +290,13 @@ class ModelWorker:
         set_mode(self.model, False)
         if offload_optimizer and self.optimizer is not None:
             dev.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
 
     def offload_optimizer(self) -> None:
         """Adam moments to the CPU (frees the device before weights are streamed elsewhere)."""
         if self.optimizer is not None:
             dev.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
 
     def offload_to_cpu(self) -> None:
         """Weights and Adam moments to the CPU (frees the device for generation)."""

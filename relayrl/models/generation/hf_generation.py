@@ -195,12 +195,11 @@ class HfGeneration(GenerationInterface):
         self._synced_version = int(version)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """Restore the train/eval mode found at prepare time and release cached device memory."""
+        """Restore the train/eval mode found at prepare time. Cached device memory stays with torch's allocator (the
+        next step reuses it); the policy releases it between phases only if `policy.empty_cache_between_phases`."""
         if self._restore_training is not None and not self._closed:
             self.model.train(self._restore_training)
         self._restore_training = None
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
         return True
 
     def shutdown(self) -> bool:

@@ -68,3 +68,40 @@ def test_fp16_trains_with_a_loss_scaler_and_skips_an_overflow(tiny_model_dir, ch
 def test_fp16_is_refused_with_fsdp2_in_one_line() -> None:
     with pytest.raises(ValueError, match="policy.precision=float16 does not support"):
         PolicyConfig(precision="float16", data_parallel={"strategy": "fsdp2"})
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_empty_cache_only_behind_its_setting(tiny_model_dir, char_tokenizer, vocab, monkeypatch, enabled) -> None:
+    """No `torch.cuda.empty_cache()` inside a step unless `policy.empty_cache_between_phases` (an accelerator is
+    faked: the calls are counted, not made)."""
+    from relayrl.utils import device as dev
+
+    policy = Policy(make_config(tiny_model_dir, empty_cache_between_phases=enabled), char_tokenizer)
+    calls = []
+    monkeypatch.setattr(dev, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    data = make_batch(vocab)
+    policy.prepare_for_lp_inference()
+    policy.get_reference_policy_logprobs(data)
+    policy.prepare_for_training()
+    policy.offload_after_refit()
+    assert (len(calls) > 0) == enabled
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_bf16_reference_stores_bf16_projections_with_the_same_values(
+    tiny_model_dir, char_tokenizer, vocab, offload
+) -> None:
+    """The reference keeps its projections in the compute precision (what autocast rounds them to anyway): its
+    log-probs equal the float32 policy's under autocast bit for bit, at half the memory."""
+    cfg = make_config(tiny_model_dir, precision="bfloat16", reference={"offload": offload})
+    policy = Policy(cfg, char_tokenizer)
+    ref = policy.generation_source.reference_model
+    linears = [m for m in ref.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert ref.get_input_embeddings().weight.dtype == torch.float32  # the lookup stays float32 (head untied)
+    data = make_batch(vocab)
+    ref_lp = policy.get_reference_policy_logprobs(data)["reference_logprobs"]
+    live_lp = policy.get_logprobs(data)["logprobs"]  # float32 master weights under autocast, before any step
+    assert torch.equal(ref_lp, live_lp)
+    assert next(ref.parameters()).device.type == "cpu"
