@@ -69,8 +69,8 @@ def _compact(model: nn.Module, dtype: torch.dtype) -> None:
     keeps reading float32 embeddings, as autocast leaves them."""
     if dtype == torch.float32:
         return
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = embed.weight if embed is not None else None
+    embeddings: Any = getattr(model, "get_input_embeddings", None)
+    tied = embeddings().weight if embeddings is not None else None
     for module in model.modules():
         if not isinstance(module, nn.Linear):
             continue
