@@ -194,6 +194,11 @@ class HfGeneration(GenerationInterface):
         self._loads += 1
         self._synced_version = int(version)
 
+    def weights_changed(self) -> None:
+        """Someone wrote new weights into the engine's module in place (a refit receiver): refresh the compute copy
+        before the next generate() even if the weights version number did not move."""
+        self._loads += 1
+
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Restore the train/eval mode found at prepare time. Cached device memory stays with torch's allocator (the
         next step reuses it); the policy releases it between phases only if `policy.empty_cache_between_phases`."""

@@ -100,6 +100,7 @@ class GenerationWorker:
     def set_weights_version(self, version: int) -> bool:
         """Record the policy version the last refit delivered (the engine refuses to generate on another one)."""
         self._source.weights_version = int(version)
+        self.engine.weights_changed()  # the refit wrote into the module in place: the bf16 copy must follow
         self.engine.prepare_for_generation()
         return True
 
