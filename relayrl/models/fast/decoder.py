@@ -67,7 +67,8 @@ class FastDecoder:
     """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows.
 
     `native`: run each decode step as one call of relayrl's compiled CPU step (`kernels`) when the model is a
-    float32 CPU model without q/k norms and the library loads; otherwise (or with native=False) PyTorch ops.
+    float32 CPU model (with or without bfloat16 `compute` copies) without q/k norms and the library loads; otherwise
+    (or with native=False) PyTorch ops.
     `kv_scales`: (k_scale, v_scale) per layer: an FP8 cache (PyTorch ops only); None: the model's dtype.
     `compute`: the projections' low-precision copies (refreshed by the caller); None: the model's own tensors."""
 
