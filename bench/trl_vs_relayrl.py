@@ -7,7 +7,7 @@ Set-up shared by both: a random Qwen2 (hidden 128, 2 layers, 4 heads / 4 KV head
 embeddings) with relayrl's character tokenizer, saved once to a temporary directory and loaded by path by each
 trainer (policy and reference copy); arithmetic prompts rendered with the chat template; 8 prompts x 4 generations
 per step; <= 64 new tokens; temperature 1; KL coefficient 0.04 with a reference model; AdamW, lr 1e-5, constant
-schedule, grad-norm clip 1.0; fp32; 1 torch thread; no gradient checkpointing; no validation, checkpointing or
+schedule, grad-norm clip 1.0; fp32 unless `--precision` says otherwise; 1 torch thread; no gradient checkpointing; no validation, checkpointing or
 per-step logging in TRL's loop (relayrl writes its own metrics.jsonl line per step, which it always does). The
 reward is relayrl's `MathEnvironment.step` on both sides (exact `\\boxed{}` check).
 Each side runs its own defaults beyond that: relayrl decodes through its compiled CPU step (built, or found in
@@ -24,6 +24,12 @@ Run (about 2.5 minutes on a quiet 2-core CPU, up to 5 when the box is shared):
     HF_HUB_OFFLINE=1 python bench/trl_vs_relayrl.py --steps 6 --rounds 1 --model-size 25m   # ~25M parameters
 
 `--relayrl-override KEY=VALUE` (repeatable) adds relayrl config overrides, e.g. to measure a candidate speed-up.
+`--precision float32 bfloat16` runs both sides in each precision, interleaved (relayrl `policy.precision`: bf16
+autocast over float32 master weights, bf16 generation; TRL `bf16=True`: autocast in training and in
+`model.generate`), and prints each side's bf16 speed-up and relayrl/TRL with each side at its fastest precision;
+`--trl-threads` with no value runs relayrl alone (its bf16 vs fp32 step):
+
+    HF_HUB_OFFLINE=1 python bench/trl_vs_relayrl.py --model-size 25m --precision float32 bfloat16 --steps 6 --rounds 1
 Besides wall time, both sides report CPU seconds per step and per phase, which a shared box disturbs far less.
 
 The fp32 floor line says how far any implementation of relayrl's step could go here: the step's linear-layer
@@ -41,11 +47,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from model_shapes import WIDE_25M  # bench/model_shapes.py
+from step_meter import StepMeter, fp32_floor, gemm_peak_gflops, matmul_flops_per_token, median
 
 NUM_PROMPTS, NUM_GENERATIONS, MAX_NEW_TOKENS = 8, 4, 64
 KL_BETA, SEED = 0.04, 42
@@ -70,90 +76,12 @@ def build_model_dir(path: Path, size: str = "tiny") -> int:
     return count_parameters(model)
 
 
-def matmul_flops_per_token(model_dir: str) -> tuple[float, int]:
-    """(FLOPs of one token's linear-layer matmuls in a forward pass: 2 x the weights of every projection and the LM
-    head, mean prompt tokens of the bench's chat-templated prompts). Attention scores, norms and activations are left
-    out: at these lengths they are a few percent, so the floor below is a lower bound."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from relayrl.experience.arithmetic import all_problems, split_problems
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train, _ = split_problems(all_problems(), num_val=200)
-    msgs = [[{"role": "user", "content": p.problem}] for p in train[:256]]
-    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]  # as relayrl's data
-    return 2.0 * weights, round(statistics.mean(lengths))
-
-
-def gemm_peak_gflops(hidden: int, seconds: float = 1.0) -> float:
-    """One core's float32 matmul throughput, measured now on a [2048, hidden] x [hidden, 4 hidden] product (the
-    shape of a training pass's MLP projection), best of a few timed runs."""
-    import torch
-
-    torch.set_num_threads(1)
-    a, w = torch.randn(2048, hidden), torch.randn(4 * hidden, hidden)
-    flops, best = 2.0 * a.shape[0] * hidden * w.shape[0], 0.0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        for _ in range(4):
-            torch.nn.functional.linear(a, w)
-        best = max(best, 4 * flops / (time.perf_counter() - t))
-    return best / 1e9
-
-
-def fp32_floor(flops_per_token: float, prompt_tokens: int, gen_tokens: float, peak: float, cores: int = 2) -> float:
-    """Seconds per step below which no fp32 implementation of relayrl's step can go on `cores` cores at `peak`
-    GFLOPS each: generation (one forward per generated token), the reference pass (one forward over the step's
-    distinct tokens: each prompt once, every completion) and training (forward + backward, three forwards' worth)."""
-    distinct = NUM_PROMPTS * prompt_tokens + gen_tokens
-    return flops_per_token * (gen_tokens + 4 * distinct) / (cores * peak * 1e9)
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-class StepMeter:
-    """Per-step wall and CPU seconds, plus CPU seconds of named phases (CPU time is robust to a busy box)."""
-
-    def __init__(self) -> None:
-        self.rec: dict[str, Any] = {"step_s": [], "cpu_s": [], "gen_tokens": [], "cpu_phases": []}
-        self._acc: dict[str, float] = {}
-        self._last = (time.perf_counter(), time.process_time())
-
-    def start(self) -> None:
-        self._last, self._acc = (time.perf_counter(), time.process_time()), {}
-
-    def end_step(self) -> None:
-        now = (time.perf_counter(), time.process_time())
-        self.rec["step_s"].append(now[0] - self._last[0])
-        self.rec["cpu_s"].append(now[1] - self._last[1])
-        self.rec["cpu_phases"].append({**self._acc, "step": now[1] - self._last[1]})
-        self._last, self._acc = now, {}
-
-    def wrap(self, obj: Any, name: str, phase: str, after: Any = None) -> None:
-        """Replace `obj.name` (on the instance) by a CPU-timed call; `after(result)` may read the result."""
-        fn = getattr(obj, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.process_time()
-            out = fn(*args, **kwargs)
-            self._acc[phase] = self._acc.get(phase, 0.0) + time.process_time() - t
-            if after is not None:
-                after(out)
-            return out
-
-        setattr(obj, name, timed)
-
-
 # ---------------------------------------------------------------------------------------------------- TRL worker
-def run_trl(model_dir: str, total_steps: int, lr: float, work_dir: Path, threads: int = 1) -> dict[str, Any]:
-    """TRL GRPOTrainer with `threads` torch threads; per-step wall time, rollout/sampling phase time, tokens."""
+def run_trl(
+    model_dir: str, total_steps: int, lr: float, work_dir: Path, threads: int = 1, precision: str = "float32"
+) -> dict[str, Any]:
+    """TRL GRPOTrainer with `threads` torch threads (bf16: its `bf16=True`, autocast over float32 weights); per-step
+    wall time, rollout/sampling phase time, tokens."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -193,7 +121,7 @@ def run_trl(model_dir: str, total_steps: int, lr: float, work_dir: Path, threads
     args = GRPOConfig(
         output_dir=str(work_dir / "trl_out"),
         use_cpu=True,
-        bf16=False,
+        bf16=precision == "bfloat16",
         activation_checkpointing=False,
         max_steps=total_steps,
         per_device_train_batch_size=NUM_PROMPTS * NUM_GENERATIONS,
@@ -231,7 +159,7 @@ def run_trl(model_dir: str, total_steps: int, lr: float, work_dir: Path, threads
 
 
 # ---------------------------------------------------------------------------------------------------- relayrl worker
-def relayrl_overrides(model_dir: str, total_steps: int, lr: float) -> list[str]:
+def relayrl_overrides(model_dir: str, total_steps: int, lr: float, precision: str = "float32") -> list[str]:
     """The same set-up as TRL's, spelled as relayrl config overrides."""
     return [
         f"policy.model_name={model_dir}",
@@ -244,7 +172,7 @@ def relayrl_overrides(model_dir: str, total_steps: int, lr: float) -> list[str]:
         f"policy.generation.max_new_tokens={MAX_NEW_TOKENS}",
         "policy.generation.temperature=1.0",
         "policy.max_total_sequence_length=128",
-        "policy.precision=float32",
+        f"policy.precision={precision}",
         "policy.activation_checkpointing=false",
         f"loss_fn.reference_policy_kl_penalty={KL_BETA}",
         f"policy.optimizer.kwargs.lr={lr}",
@@ -273,7 +201,13 @@ TRAINERS: dict[str, list[str]] = {
 
 
 def run_relayrl(
-    model_dir: str, total_steps: int, lr: float, work_dir: Path, extra: list[str] | None = None, trainer: str = "legacy"
+    model_dir: str,
+    total_steps: int,
+    lr: float,
+    work_dir: Path,
+    extra: list[str] | None = None,
+    trainer: str = "legacy",
+    precision: str = "float32",
 ) -> dict[str, Any]:
     """relayrl through its public set-up and the trainer the config selects; step ends are taken when the loop
     logs `timing/train`. The legacy trainer's engine and policy calls are CPU-timed by phase as well."""
@@ -283,7 +217,8 @@ def run_relayrl(
     from relayrl.utils.config_io import load_config
 
     torch.set_num_threads(1)
-    cfg = load_config(None, relayrl_overrides(model_dir, total_steps, lr) + TRAINERS[trainer] + list(extra or []))
+    overrides = relayrl_overrides(model_dir, total_steps, lr, precision) + TRAINERS[trainer] + list(extra or [])
+    cfg = load_config(None, overrides)
     run_dir = work_dir / "relayrl_run"
     c = setup(cfg, run_dir)
     meter = StepMeter()
@@ -332,18 +267,21 @@ def run_worker(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench_{args.worker}_") as tmp:
         total = args.steps + args.warmup
         if args.worker == "trl":
-            rec = run_trl(args.model_dir, total, args.lr, Path(tmp), args.threads)
+            rec = run_trl(args.model_dir, total, args.lr, Path(tmp), args.threads, args.run_precision)
         else:
-            rec = run_relayrl(args.model_dir, total, args.lr, Path(tmp), args.relayrl_override, args.relayrl_trainer)
+            extra, trainer = args.relayrl_override, args.relayrl_trainer
+            rec = run_relayrl(args.model_dir, total, args.lr, Path(tmp), extra, trainer, args.run_precision)
     rec["load_start"], rec["load_end"] = load, os.getloadavg()[0]
     Path(args.out).write_text(json.dumps(rec))
 
 
-def spawn(kind: str, model_dir: str, args: argparse.Namespace, out: Path, threads: int = 1) -> dict[str, Any]:
+def spawn(
+    kind: str, model_dir: str, args: argparse.Namespace, out: Path, threads: int = 1, precision: str = "float32"
+) -> dict[str, Any]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, __file__, "--worker", kind, "--model-dir", model_dir, "--out", str(out)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr), "--threads", str(threads)]
-    cmd += ["--relayrl-trainer", args.relayrl_trainer]
+    cmd += ["--relayrl-trainer", args.relayrl_trainer, "--run-precision", precision]
     for item in args.relayrl_override:
         cmd += ["--relayrl-override", item]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -376,16 +314,16 @@ def summarize(name: str, runs: list[dict[str, Any]], warmup: int) -> dict[str, f
     """Print one side's line and return its medians (wall, p10 wall, CPU seconds per step)."""
     steady = _steady(runs, "step_s", warmup)
     out = {
-        "wall": _median(steady),
+        "wall": median(steady),
         "p10": statistics.quantiles(steady, n=10)[0] if len(steady) > 1 else float("nan"),
-        "cpu": _median(_steady(runs, "cpu_s", warmup)),
+        "cpu": median(_steady(runs, "cpu_s", warmup)),
     }
-    per_run = ", ".join(f"{_median(r['step_s'][warmup:]):.3f}" for r in runs)
+    per_run = ", ".join(f"{median(r['step_s'][warmup:]):.3f}" for r in runs)
     loads = ", ".join(f"{r['load_start']:.1f}->{r['load_end']:.1f}" for r in runs)
     print(
         f"{name:8s} step wall median {out['wall']:.3f} s (per run {per_run}; p10 {out['p10']:.3f} s) over "
         f"{len(steady)} steady steps | CPU {out['cpu']:.3f} s/step | generated tokens/step median "
-        f"{_median(_steady(runs, 'gen_tokens', warmup)):.0f} | 1-min load {loads}"
+        f"{median(_steady(runs, 'gen_tokens', warmup)):.0f} | 1-min load {loads}"
     )
     return out
 
@@ -401,12 +339,24 @@ def main() -> None:
     )
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES), help="tiny (0.56M) or 25m parameters")
     p.add_argument(
-        "--trl-threads", type=int, nargs="+", default=[1, 2], help="TRL runs at each; its fastest is the comparison"
+        "--trl-threads",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="TRL runs at each; its fastest is the comparison (none: relayrl alone)",
     )
     p.add_argument(
         "--relayrl-trainer", default="async", choices=sorted(TRAINERS), help="relayrl trainer (see TRAINERS)"
     )
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        default=["float32"],
+        choices=PRECISIONS,
+        help="run both sides in each (relayrl policy.precision, TRL bf16=True); ratios per precision and between",
+    )
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--run-precision", default="float32", choices=PRECISIONS, help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["trl", "relayrl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -426,51 +376,96 @@ def main() -> None:
         dims = ", ".join(f"{k}={v}" for k, v in MODEL_SIZES[args.model_size].items())
         print(f"model: random Qwen2 ({args.model_size}: {dims}), {n_params:,} params; ", end="")
         print(f"{NUM_PROMPTS}x{NUM_GENERATIONS} per step, ")
-        print(
-            f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}, fp32; TRL threads {args.trl_threads}, ",
-            end="",
-        )
-        print(f"relayrl {args.relayrl_trainer} (1 thread per side); ", end="")
+        print(f"  <= {MAX_NEW_TOKENS} new tokens, beta {KL_BETA}, lr {args.lr}; precisions {args.precision}; ", end="")
+        print(f"TRL threads {args.trl_threads}, relayrl {args.relayrl_trainer} (1 thread per side); ", end="")
         print(f"{args.rounds} rounds x {args.steps} steady steps (+{args.warmup} warm-up) each")
         sides = [(f"trl{t}", "trl", t) for t in args.trl_threads] + [("relayrl", "relayrl", 1)]
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in sides}
-        for r in range(args.rounds):
-            for name, kind, threads in sides:
-                rec = spawn(kind, model_dir, args, Path(tmp) / f"{name}_{r}.json", threads)
-                runs[name].append(rec)
-                print(f"round {r + 1} {name:8s} median step {_median(rec['step_s'][args.warmup :]):.3f} s", flush=True)
-    print()
-    trl_by_threads = {t: summarize(f"TRL x{t}", runs[f"trl{t}"], args.warmup) for t in args.trl_threads}
-    fastest = min(trl_by_threads, key=lambda t: trl_by_threads[t]["wall"])
-    runs["trl"] = runs[f"trl{fastest}"]
-    trl = trl_by_threads[fastest]
-    rl = summarize(f"relayrl ({args.relayrl_trainer})", runs["relayrl"], args.warmup)
-    print(f"TRL's fastest thread count: {fastest} (the comparison below uses it)")
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in range(args.rounds):  # precisions and sides interleaved: load from other processes hits all alike
+            for prec in args.precision:
+                for name, kind, threads in sides:
+                    rec = spawn(kind, model_dir, args, Path(tmp) / f"{name}_{prec}_{r}.json", threads, prec)
+                    runs.setdefault((name, prec), []).append(rec)
+                    wall = median(rec["step_s"][args.warmup :])
+                    print(f"round {r + 1} {prec:8s} {name:8s} median step {wall:.3f} s", flush=True)
+    best: dict[tuple[str, str], dict[str, float]] = {}
+    for prec in args.precision:
+        print(f"\n== {prec}")
+        best[("relayrl", prec)] = report_precision(args, runs, prec, (flops_per_token, prompt_tokens, peak))
+        if args.trl_threads:
+            by_threads = {t: summarize(f"TRL x{t}", runs[(f"trl{t}", prec)], args.warmup) for t in args.trl_threads}
+            fastest = min(by_threads, key=lambda t: by_threads[t]["wall"])
+            best[("trl", prec)] = by_threads[fastest]
+            rl, trl = best[("relayrl", prec)], by_threads[fastest]
+            print(
+                f"ratio relayrl/TRL ({prec}, TRL at {fastest} threads): median step wall {rl['wall'] / trl['wall']:.3f}; "
+                f"p10 wall {rl['p10'] / trl['p10']:.3f}; median CPU s/step {rl['cpu'] / trl['cpu']:.3f}"
+                + ("" if args.relayrl_trainer == "legacy" else " (relayrl's generation process not counted)")
+            )
+    report_across_precisions(args, best)
+
+
+PRECISIONS = ["float32", "bfloat16"]
+
+
+def report_precision(
+    args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, Any]]], prec: str, floor_inputs: tuple
+) -> dict[str, float]:
+    """One precision's relayrl line, CPU phases and timing metrics (and the fp32 floor); returns relayrl's medians."""
+    rl_runs = runs[("relayrl", prec)]
+    rl = summarize(f"relayrl ({args.relayrl_trainer})", rl_runs, args.warmup)
     print("CPU s/step by phase, medians. TRL: logprobs = rollout - sampling (reference pass, reward, advantages),")
     print("  train = rest of step. relayrl: logprobs = prev + reference passes; other = reward, data, advantages, log")
-    print(f"  {'':8s} {'generation':>10s} {'logprobs':>10s} {'train':>10s} {'other':>10s} {'step':>10s}")
-    cpu_sides = ("trl", "relayrl") if args.relayrl_trainer == "legacy" else ("trl",)  # async: phases overlap
-    for name in cpu_sides:
-        rows = _cpu_phase_rows(runs[name], args.warmup, trl=name == "trl")
-        cols = [_median([ph[k] for ph in rows]) for k in ("generation", "logprobs", "train", "other", "step")]
-        print(f"  {name:8s} " + " ".join(f"{c:10.4f}" for c in cols))
+    print(f"  {'':10s} {'generation':>10s} {'logprobs':>10s} {'train':>10s} {'other':>10s} {'step':>10s}")
+    sides = [(f"trl{t}", True) for t in args.trl_threads]
+    if args.relayrl_trainer == "legacy":  # async: phases overlap
+        sides.append(("relayrl", False))
+    for name, trl in sides:
+        rows = _cpu_phase_rows(runs[(name, prec)], args.warmup, trl=trl)
+        cols = [median([ph[k] for ph in rows]) for k in ("generation", "logprobs", "train", "other", "step")]
+        print(f"  {name:10s} " + " ".join(f"{c:10.4f}" for c in cols))
     print("relayrl phases (median s, metrics.jsonl timing/train/*):")
-    for key in sorted({k for r in runs["relayrl"] for k in r["phases"]}):
-        vals = [x for r in runs["relayrl"] for x in r["phases"][key][args.warmup :]]
-        print(f"  {key.removeprefix('timing/train/'):32s} {_median(vals):.4f}")
-    gen_tokens = _median(_steady(runs["relayrl"], "gen_tokens", args.warmup))
-    floor = fp32_floor(flops_per_token, prompt_tokens, gen_tokens, peak)
-    print(
-        f"fp32 floor of relayrl's step: {floor:.3f} s ({flops_per_token * 1e-6:.1f} MFLOP/token of linear layers, "
-        f"{prompt_tokens}-token prompts, {gen_tokens:.0f} generated tokens; both cores at this core's measured "
-        f"{peak:.0f} GFLOPS): {floor / rl['wall']:.2f} of relayrl's step, {floor / trl['wall']:.3f} of TRL's"
-    )
+    for key in sorted({k for r in rl_runs for k in r["phases"]}):
+        vals = [x for r in rl_runs for x in r["phases"][key][args.warmup :]]
+        print(f"  {key.removeprefix('timing/train/'):32s} {median(vals):.4f}")
+    if prec == "float32":
+        flops_per_token, prompt_tokens, peak = floor_inputs
+        gen_tokens = median(_steady(rl_runs, "gen_tokens", args.warmup))
+        floor = fp32_floor(flops_per_token, prompt_tokens, gen_tokens, peak, NUM_PROMPTS)
+        print(
+            f"fp32 floor of relayrl's step: {floor:.3f} s ({flops_per_token * 1e-6:.1f} MFLOP/token of linear layers, "
+            f"{prompt_tokens}-token prompts, {gen_tokens:.0f} generated tokens; both cores at this core's measured "
+            f"{peak:.0f} GFLOPS): {floor / rl['wall']:.2f} of relayrl's step"
+        )
+    return rl
+
+
+def report_across_precisions(args: argparse.Namespace, best: dict[tuple[str, str], dict[str, float]]) -> None:
+    """bf16 vs fp32 per side (relayrl's target: >= 1.6x), and relayrl/TRL with each side at its fastest precision."""
+    print()
+    if "float32" in args.precision and "bfloat16" in args.precision:
+        for side in ("relayrl", "trl"):
+            if (side, "float32") in best:
+                f32, b16 = best[(side, "float32")], best[(side, "bfloat16")]
+                speedup = f32["wall"] / b16["wall"]
+                verdict = f" (target >= 1.6: {'PASS' if speedup >= 1.6 else 'FAIL'})" if side == "relayrl" else ""
+                print(
+                    f"{side} bf16 speed-up over fp32: median step wall {speedup:.2f}x{verdict}; "
+                    f"median CPU s/step {f32['cpu'] / b16['cpu']:.2f}x"
+                )
+    if not args.trl_threads:
+        return
+    fastest = {s: min(args.precision, key=lambda p: best[(s, p)]["wall"]) for s in ("relayrl", "trl")}
+    rl, trl = best[("relayrl", fastest["relayrl"])], best[("trl", fastest["trl"])]
     ratio = rl["wall"] / trl["wall"]
     print(
-        f"\nratio relayrl/TRL: median step wall {ratio:.3f} (target <= 0.5: {'PASS' if ratio <= 0.5 else 'FAIL'}); "
-        f"p10 wall {rl['p10'] / trl['p10']:.3f}; median CPU s/step {rl['cpu'] / trl['cpu']:.3f}"
-        + ("" if args.relayrl_trainer == "legacy" else " (relayrl's generation process not counted)")
+        f"ratio relayrl/TRL, each at its fastest precision (relayrl {fastest['relayrl']}, TRL {fastest['trl']}): "
+        f"median step wall {ratio:.3f} (target <= 0.5: {'PASS' if ratio <= 0.5 else 'FAIL'}); "
+        f"median CPU s/step {rl['cpu'] / trl['cpu']:.3f}"
     )
+    if "float32" in args.precision:
+        f32 = best[("relayrl", "float32")]["wall"] / best[("trl", "float32")]["wall"]
+        print(f"ratio relayrl/TRL, fp32 vs fp32: median step wall {f32:.3f}")
 
 
 if __name__ == "__main__":

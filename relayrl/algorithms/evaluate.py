@@ -45,6 +45,7 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
         device=policy.device,
         max_total_sequence_length=cfg.policy.max_total_sequence_length,
         seed=cfg.rollout.seed,
+        precision=cfg.policy.precision,
     )
     envs = build_environments(cfg, given=tool_envs)
     try:

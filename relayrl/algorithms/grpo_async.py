@@ -120,6 +120,7 @@ def _local_engine(
             num_threads=a.generation_threads or c.torch_num_threads,
             deterministic=c.deterministic,
             retain_freed_memory=c.retain_freed_memory,
+            precision=cfg.policy.precision,
         )
     from relayrl.models.generation.hf_generation import HfGeneration
 
@@ -130,6 +131,7 @@ def _local_engine(
         device=device,
         max_total_sequence_length=cfg.policy.max_total_sequence_length,
         seed=cfg.grpo.seed,
+        precision=cfg.policy.precision,
     )
 
 

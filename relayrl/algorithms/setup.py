@@ -143,6 +143,7 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedW
         device=policy.device,
         max_total_sequence_length=cfg.policy.max_total_sequence_length,
         seed=seed,
+        precision=cfg.policy.precision,
     )
 
 

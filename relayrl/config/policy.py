@@ -186,6 +186,15 @@ class BatchingModes(Strict):
     """Token-budget micro-batches of similar lengths (exclusive with sequence_packing)."""
 
 
+class ReferenceConfig(Strict):
+    """Where the frozen reference model (the KL term's pi_ref) lives between its passes."""
+
+    offload: bool = False
+    """Park the reference on the CPU and move it to the device for each reference pass (saves device memory, costs
+    two copies a step). false: it stays resident on the device. Either way, under bfloat16 / float16 its projections
+    are stored in that precision (the values autocast would compute with; half the memory). No effect on a CPU."""
+
+
 class LoraConfig(Strict):
     """Low-rank adapters (LoRA, through `peft`, the `lora` extra): the base weights stay frozen and only the adapters
     train, are checkpointed and carry optimizer state; the reference policy is the base model with the adapters off."""
@@ -203,6 +212,16 @@ class LoraConfig(Strict):
     the decoder except the output head."""
     init_seed: NonNegInt = 0
     """Seed of the adapters' random start (lora_A; lora_B starts at zero), the same on every executor and rank."""
+
+
+def _check_precision(section: str, precision: str, strategy: str) -> None:
+    """float16's loss scaler decides overflow per rank; fsdp2 ranks hold different gradient shards and could
+    disagree, so that pairing is refused."""
+    if precision == "float16" and strategy == "fsdp2":
+        raise ValueError(
+            f"{section}.precision=float16 does not support {section}.data_parallel.strategy=fsdp2 (loss scaling over "
+            "sharded gradients); use precision=bfloat16 or strategy=manual / ddp"
+        )
 
 
 class PolicyConfig(BatchingModes):
@@ -229,14 +248,19 @@ class PolicyConfig(BatchingModes):
     """Token limit of prompt plus everything generated (all turns): generation stops there, and the prompt limit
     defaults to it minus generation.max_new_tokens. Also sizes the default packing / dynamic-batching budgets."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the forward passes (autocast; master weights and optimizer state stay float32); weights
-    refit into the generation engine are cast to it."""
+    """Compute dtype of the forward passes (autocast; master weights and optimizer state stay float32). Generation
+    decodes from a copy of the projection weights in it, refreshed after every update, with a KV cache in it; weights
+    refit into generation workers are cast to it. float16 trains with dynamic loss scaling (not with fsdp2)."""
     max_grad_norm: PositiveFloat | None = 1.0
     """Clip the global L2 gradient norm (over all ranks) to this before each optimizer step; None: no clipping (the
     norm is still logged, and a non-finite one skips the step)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in the backward pass instead of storing them (less memory, more
     compute); ignored for models that do not support gradient checkpointing."""
+    empty_cache_between_phases: bool = False
+    """On a GPU, return torch's cached allocator blocks to the driver at each phase change (generation, log-prob
+    passes, training): frees memory for other processes, at the cost of re-allocating it every step. Off: memory is
+    released only under pressure (torch frees its cache and retries before reporting out-of-memory). No-op on CPU."""
     native_cpu_ops: bool = True
     """On CPU, the policy and reference passes of a float32 llama-family model run RMSNorm and RoPE (forward and
     backward) as relayrl's compiled kernels, the library `generation.native_cpu_decode` builds; else PyTorch ops."""
@@ -253,10 +277,13 @@ class PolicyConfig(BatchingModes):
     """How data-parallel ranks combine gradients."""
     lora: LoraConfig = LoraConfig()
     """Train low-rank adapters instead of the full weights (off by default)."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The frozen reference model's placement (resident on the device by default)."""
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> PolicyConfig:
         _check_batching("policy", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        _check_precision("policy", self.precision, self.data_parallel.strategy)
         if self.lora.enabled and self.data_parallel.strategy == "fsdp2":
             raise ValueError(
                 "policy.lora.enabled=true does not support policy.data_parallel.strategy=fsdp2 (the sharded replica "
@@ -348,11 +375,16 @@ class ValueConfig(BatchingModes):
     """Longest sequence the critic is sized for: the default packing / dynamic-batching budgets and their fit
     check use it (sequence lengths themselves follow policy.max_total_sequence_length)."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the critic's forward passes (autocast; master weights stay float32)."""
+    """Compute dtype of the critic's forward passes (autocast; master weights stay float32; float16 with dynamic loss
+    scaling, not with fsdp2)."""
     max_grad_norm: PositiveFloat | None = 1.0
     """Clip the critic's global gradient L2 norm to this before each step; None: no clipping."""
     activation_checkpointing: bool = False
     """Recompute backbone activations in the backward pass (less memory, more compute)."""
+    empty_cache_between_phases: bool = False
+    """On a GPU, return torch's cached allocator blocks to the driver at each phase change (generation, log-prob
+    passes, training): frees memory for other processes, at the cost of re-allocating it every step. Off: memory is
+    released only under pressure (torch frees its cache and retries before reporting out-of-memory). No-op on CPU."""
     optimizer: OptimizerConfig = OptimizerConfig(kwargs=AdamWKwargs(lr=1e-4))
     """The critic's AdamW (default lr 1e-4, above the policy's)."""
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -365,6 +397,7 @@ class ValueConfig(BatchingModes):
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ValueConfig:
         _check_batching("value", self.sequence_packing, self.dynamic_batching, self.max_total_sequence_length)
+        _check_precision("value", self.precision, self.data_parallel.strategy)
         return self
 
 

@@ -27,17 +27,25 @@ def all_reduce_clip_and_step(
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None,
     dp: DataParallel | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
     """Sum gradients over data-parallel ranks, clip to `max_grad_norm`, take one optimizer step.
 
     Losses are partial sums of the global-batch mean on every rank, so *summing* gradients (not averaging) gives the
     gradient of the global mean. Under DDP / FSDP2 (`dp`) backward already summed them; FSDP2's norm is taken over
     the shards. Returns the pre-clip global L2 norm (CPU scalar); when it is not finite no step is taken.
+
+    `scaler` (float16): gradients are unscaled before the norm; an overflow (non-finite norm) skips the step and
+    lowers the scale, as loss scaling expects, and the norm comes back as 0 with `scaler.overflowed` set.
     """
     max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
     if dp is not None and dp.reduces_in_backward:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         grad_norm = dp.global_grad_norm_and_clip(max_norm)
-        if _finite(grad_norm):
+        if scaler is not None:
+            grad_norm = _scaler_step(optimizer, grad_norm, scaler)
+        elif _finite(grad_norm):
             optimizer.step()
         dp.after_step()
         return grad_norm
@@ -52,10 +60,27 @@ def all_reduce_clip_and_step(
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach().cpu()
+    if scaler is not None:
+        return _scaler_step(optimizer, grad_norm, scaler)
     if _finite(grad_norm):
         optimizer.step()
     return grad_norm
+
+
+def _scaler_step(
+    optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, scaler: torch.amp.GradScaler
+) -> torch.Tensor:
+    """float16 loss scaling after unscale_ and clipping: step unless the gradients overflowed (every rank holds the
+    same reduced gradients, so all agree), then grow or back off the scale. An overflow returns a norm of 0 and
+    sets `scaler.overflowed` (the worker logs it): a skipped step is expected there, not a fault."""
+    overflowed = not _finite(grad_norm)
+    scaler.step(optimizer)  # skips the step when unscale_ found inf/NaN
+    scaler.update()
+    scaler.overflowed = overflowed  # type: ignore[attr-defined]
+    return torch.zeros(()) if overflowed else grad_norm
 
 
 def _finite(grad_norm: torch.Tensor) -> bool:
@@ -97,6 +122,10 @@ class TrainingReplica(Protocol):
     def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None: ...
     @property
     def dp(self) -> DataParallel: ...
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """float16 loss scaling (None in float32 / bfloat16)."""
+        ...
 
     def micro_batches(self, data: BatchedDataDict, size: int, device: torch.device) -> Iterator[BatchedDataDict]:
         """`data` in row blocks of `size`, each moved to `device`."""
@@ -279,7 +308,8 @@ def _forward_backward(
 
     value, mb_metrics = dp.forward(closure, training=not eval_mode)
     if not eval_mode and value.requires_grad:  # no graph: no loss position, zero gradient
-        value.backward()
+        scaler = replica.grad_scaler
+        (value if scaler is None else scaler.scale(value)).backward()
     return value, mb_metrics
 
 
@@ -300,6 +330,7 @@ def save_optimizer_checkpoint(
     dp: DataParallel,
     rank: int,
     owner: str,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Write optimizer + scheduler state (whole tensors, whatever the strategy) to `path`/optimizer.pt from rank 0.
 
@@ -312,6 +343,8 @@ def save_optimizer_checkpoint(
         "scheduler": scheduler.state_dict(),
         "weights_version": weights_version,
     }
+    if scaler is not None:  # float16: the loss scale and its growth counter, for an exact resume
+        state["grad_scaler"] = scaler.state_dict()
     if rank == 0:
         Path(path).mkdir(parents=True, exist_ok=True)
         torch.save(state, Path(path) / OPTIMIZER_FILE)
@@ -324,6 +357,7 @@ def load_optimizer_checkpoint(
     dp: DataParallel,
     device: torch.device,
     owner: str,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> int:
     """Load what `save_optimizer_checkpoint` wrote (a directory or the file itself); returns the weights_version."""
     _require_optimizer(optimizer, scheduler, owner)
@@ -336,5 +370,7 @@ def load_optimizer_checkpoint(
     state = torch.load(file, map_location="cpu", weights_only=True)
     dp.load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and "grad_scaler" in state:
+        scaler.load_state_dict(state["grad_scaler"])
     dev.move_optimizer_state(optimizer, device)
     return int(state.get("weights_version", 0))

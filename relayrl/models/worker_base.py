@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -44,6 +45,8 @@ from relayrl.utils import device as dev
 from relayrl.utils.state_file import assert_finite_state
 
 #: transformers' loading patches process-wide state (meta-device init), so in-process workers load one at a time.
+logger = logging.getLogger(__name__)
+
 LOAD_LOCK = threading.Lock()
 
 #: The config of a trainable replica: the keys used here are common to both.
@@ -157,6 +160,10 @@ class ModelWorker:
         self.dp = wrap_model(self.model, config.data_parallel.strategy, self.comm, self.device)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        # float16 trains with dynamic loss scaling (its gradients underflow otherwise); bfloat16 has float32's range.
+        self.grad_scaler: torch.amp.GradScaler | None = None
+        if init_optimizer and config.precision == "float16":
+            self.grad_scaler = torch.amp.GradScaler(self.device.type)
         if init_optimizer:
             self._build_optimizer(max_num_steps)
         if optimizer_path is not None:
@@ -204,7 +211,7 @@ class ModelWorker:
 
     def _load_optimizer(self, optimizer_path: str) -> None:
         self.weights_version = load_optimizer_checkpoint(
-            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device, self.owner
+            optimizer_path, self.optimizer, self.scheduler, self.dp, self.device, self.owner, self.grad_scaler
         )
 
     # ------------------------------------------------------------------ pass helpers
@@ -241,7 +248,7 @@ class ModelWorker:
             call = TrainCall(gbs=gbs, mbs=mbs, eval_mode=eval_mode, device=device, plan=plan)
             result = train_global_batches(self, data, self._microbatch_loss(loss_fn), call)
         if not eval_mode:
-            dev.empty_cache(self.device)
+            dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
         return {
             **result,
             "weights_version": self.weights_version,
@@ -253,7 +260,14 @@ class ModelWorker:
     def step_optimizer(self) -> torch.Tensor:
         """Sum gradients over ranks, clip to max_grad_norm, step; returns the pre-clip global L2 norm."""
         assert self.optimizer is not None
-        grad_norm = all_reduce_clip_and_step(self.dp.params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp)
+        scaler = self.grad_scaler
+        grad_norm = all_reduce_clip_and_step(
+            self.dp.params, self.comm, self.optimizer, self.cfg.max_grad_norm, self.dp, scaler
+        )
+        if scaler is not None and getattr(scaler, "overflowed", False):
+            logger.warning(
+                "%s: float16 gradients overflowed; step skipped, loss scale now %g", self.owner, scaler.get_scale()
+            )
         self.weights_version += 1
         return grad_norm
 
@@ -263,7 +277,7 @@ class ModelWorker:
         set_mode(self.model, True)
         if self.optimizer is not None:
             dev.move_optimizer_state(self.optimizer, self.device)
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
 
     def finish_training(self) -> None:
         set_mode(self.model, False)
@@ -276,13 +290,13 @@ class ModelWorker:
         set_mode(self.model, False)
         if offload_optimizer and self.optimizer is not None:
             dev.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
 
     def offload_optimizer(self) -> None:
         """Adam moments to the CPU (frees the device before weights are streamed elsewhere)."""
         if self.optimizer is not None:
             dev.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
 
     def offload_to_cpu(self) -> None:
         """Weights and Adam moments to the CPU (frees the device for generation)."""
@@ -323,7 +337,14 @@ class ModelWorker:
         Called on every rank (gathering fsdp2's sharded optimizer state is a collective); rank 0 writes."""
         if optimizer_path is not None:
             save_optimizer_checkpoint(
-                optimizer_path, self.optimizer, self.scheduler, self.weights_version, self.dp, self.rank, self.owner
+                optimizer_path,
+                self.optimizer,
+                self.scheduler,
+                self.weights_version,
+                self.dp,
+                self.rank,
+                self.owner,
+                self.grad_scaler,
             )
         if self.rank != 0:
             return

@@ -54,9 +54,13 @@ def autocast(device: torch.device, precision: str) -> Iterator[None]:
         yield
 
 
-def empty_cache(device: torch.device) -> None:
-    """Return cached allocator blocks to the driver after a phase change (no-op on CPU)."""
-    if is_accelerator(device):
+def empty_cache(device: torch.device, enabled: bool = True) -> None:
+    """Return cached allocator blocks to the driver after a phase change, when `enabled` (no-op on CPU).
+
+    Off by default in the workers (`policy.empty_cache_between_phases`): re-allocating the KV cache and activations
+    every step costs more than keeping them, and torch's allocator already frees its cache and retries before it
+    reports out-of-memory."""
+    if enabled and is_accelerator(device):
         torch.cuda.empty_cache()
 
 

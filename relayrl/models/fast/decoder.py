@@ -16,6 +16,10 @@ With `kv_scales` (one (k_scale, v_scale) per layer; `policy.generation.kv_cache_
 cache as float8 e4m3 (`fp8_kv.quantize`: k / k_scale, saturated) and attend to its dequantized values, the prompt's
 included (prefill attends to what the cache holds, so a token's log-prob does not depend on whether it was in the
 prompt). The compiled CPU step reads float32 caches only: with FP8 the fast decoder runs its PyTorch ops.
+
+With `compute` (`policy.precision` bfloat16 / float16: `ComputeWeights`, the engine's low-precision copy of the
+projections) `FastDecoder` decodes the way autocast runs the training forward: projections, attention and the KV
+cache in the compute dtype, the residual stream, RMSNorm, RoPE and the embedding lookup in float32.
 """
 
 from __future__ import annotations
@@ -26,8 +30,34 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.models import fp8_kv
+from relayrl.models.fast.compute_weights import ComputeWeights
 from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
-from relayrl.models.fast.support import backbone_of, native_head_dim, native_tensors, read_layer, weight_and_bias
+from relayrl.models.fast.support import (
+    Layer,
+    backbone_of,
+    native_head_dim,
+    native_tensors,
+    read_layer,
+    weight_and_bias,
+)
+
+
+def _with_copies(layer: Layer, compute: ComputeWeights) -> Layer:
+    """`layer` with each projection's (weight, bias) replaced by their compute-dtype copies (norms stay float32)."""
+
+    def cast(proj: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(compute(t) for t in proj)
+
+    return layer._replace(
+        q=cast(layer.q),
+        k=cast(layer.k),
+        v=cast(layer.v),
+        o=cast(layer.o),
+        gate=cast(layer.gate),
+        up=cast(layer.up),
+        down=cast(layer.down),
+    )
+
 
 #: Prompt tokens per prefill chunk (rows are chunked so this many positions go through the model at once).
 PREFILL_TOKENS_PER_CHUNK = 8192
@@ -37,10 +67,19 @@ class FastDecoder:
     """Llama-family decode with a preallocated KV cache [b, H_kv, T, D] per layer and left-padded rows.
 
     `native`: run each decode step as one call of relayrl's compiled CPU step (`kernels`) when the model is a
-    float32 CPU model without q/k norms and the library loads; otherwise (or with native=False) PyTorch ops.
-    `kv_scales`: (k_scale, v_scale) per layer: an FP8 cache (PyTorch ops only); None: the model's dtype."""
+    float32 CPU model (with or without bfloat16 `compute` copies) without q/k norms and the library loads; otherwise
+    (or with native=False) PyTorch ops.
+    `kv_scales`: (k_scale, v_scale) per layer: an FP8 cache (PyTorch ops only); None: the model's dtype.
+    `compute`: the projections' low-precision copies (refreshed by the caller); None: the model's own tensors."""
 
-    def __init__(self, model: Any, *, native: bool = False, kv_scales: list[tuple[float, float]] | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        native: bool = False,
+        kv_scales: list[tuple[float, float]] | None = None,
+        compute: ComputeWeights | None = None,
+    ) -> None:
         base = backbone_of(model)  # HF modules are dynamic: attributes are read by name, as the HF forward does
         attn0 = base.layers[0].self_attn
         self.embed = base.embed_tokens.weight  # [V, H]
@@ -53,6 +92,11 @@ class FastDecoder:
         self.group = self.n_heads // self.n_kv
         self.scaling = float(attn0.scaling)
         self.layers = [read_layer(layer) for layer in base.layers]
+        self.low: torch.dtype | None = None  # compute dtype of projections / attention / cache; None: the model's
+        if compute is not None:
+            self.low = compute.dtype
+            self.head = tuple(compute(t) for t in self.head)
+            self.layers = [_with_copies(layer, compute) for layer in self.layers]
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.key_bias: torch.Tensor | None = None  # [b, 1, 1, T] additive: -inf at left-pad columns
@@ -70,15 +114,22 @@ class FastDecoder:
             self._native_eps = [float(e) for layer in self.layers for e in (layer.in_eps, layer.post_eps)]
 
     def _native_supported(self) -> bool:
-        """The compiled step covers float32 CPU models without q/k norms whose tensors are all contiguous."""
+        """The compiled step covers CPU models without q/k norms whose tensors are all contiguous: float32, or
+        bfloat16 projections (`compute`) over float32 embeddings and norms."""
         if not native_head_dim(self.head_dim) or any(layer.q_norm is not None for layer in self.layers):
             return False
-        tensors = [self.embed, self.final_norm, *(t for t in self.head if t is not None)]
+        if self.low not in (None, torch.bfloat16):
+            return False
+        tensors = [self.embed, self.final_norm]
+        projections = [t for t in self.head if t is not None]
         for layer in self.layers:
             for entry in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down):
-                tensors.extend(t for t in entry if t is not None)
+                projections.extend(t for t in entry if t is not None)
             tensors += [layer.in_norm, layer.post_norm]
-        return native_tensors(*tensors) and all(t.is_contiguous() for t in tensors)
+        if self.low is None:
+            tensors, projections = tensors + projections, []
+        low_ok = all(t.dtype == self.low and t.device.type == "cpu" for t in projections)
+        return low_ok and native_tensors(*tensors) and all(t.is_contiguous() for t in tensors + projections)
 
     def start(self, ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, capacity: int) -> torch.Tensor:
         """Prefill left-padded prompts ids [B, P]; caches hold `capacity` columns. Returns last-token logits [B, V]."""
@@ -89,6 +140,7 @@ class FastDecoder:
         self.cos = cos[0]  # [T, D]
         self.signed_sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [T, D]
         shape = (batch, self.n_kv, capacity, self.head_dim)
+        dtype = self.low or dtype  # the cache and additive masks live in the compute dtype
         cache_dtype = dtype if self.kv_scales is None else fp8_kv.FP8_DTYPE
         self.k_cache = [torch.empty(shape, dtype=cache_dtype, device=device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=device) for _ in self.layers]
@@ -111,13 +163,17 @@ class FastDecoder:
         if self.key_bias is not None:
             allowed = torch.ones((cols, cols), dtype=torch.bool, device=ids.device).tril() & key_valid.unsqueeze(1)
             allowed |= torch.eye(cols, dtype=torch.bool, device=ids.device)  # pad queries see themselves: no NaN rows
-            bias = torch.zeros((batch, 1, cols, cols), dtype=self.embed.dtype, device=ids.device)
+            bias = torch.zeros((batch, 1, cols, cols), dtype=self.low or self.embed.dtype, device=ids.device)
             bias.masked_fill_(~allowed.unsqueeze(1), float("-inf"))  # [rows, 1, P, P]
         cos = self.cos[positions].unsqueeze(1)  # [rows, 1, P, D]
         sin = self.signed_sin[positions].unsqueeze(1)
         h = F.embedding(ids, self.embed)  # [rows, P, H]
+        low = self.low
+        attn_dtype = low or h.dtype
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             x = rms_norm(h, layer.in_norm, layer.in_eps)
+            if low is not None:
+                x = x.to(low)
             q = F.linear(x, *layer.q).view(batch, cols, self.n_heads, self.head_dim)
             k = F.linear(x, *layer.k).view(batch, cols, self.n_kv, self.head_dim)
             v = F.linear(x, *layer.v).view(batch, cols, self.n_kv, self.head_dim).transpose(1, 2)  # [rows, Hkv, P, D]
@@ -133,14 +189,19 @@ class FastDecoder:
                 k8, v8 = fp8_kv.quantize(k, k_scale), fp8_kv.quantize(v, v_scale)
                 k_cache[row0 : row0 + batch, :, :cols] = k8
                 v_cache[row0 : row0 + batch, :, :cols] = v8
-                k, v = fp8_kv.dequantize(k8, k_scale, h.dtype), fp8_kv.dequantize(v8, v_scale, h.dtype)
+                k, v = fp8_kv.dequantize(k8, k_scale, attn_dtype), fp8_kv.dequantize(v8, v_scale, attn_dtype)
+            if low is not None:  # attention in the compute dtype (autocast's SDPA), keys as the cache rounds them
+                q, k, v = q.to(low), k.to(low), v.to(low)
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None, scale=self.scaling)
             h = h + F.linear(a.transpose(1, 2).reshape(batch, cols, -1), *layer.o)
             x = rms_norm(h, layer.post_norm, layer.post_eps)
+            if low is not None:
+                x = x.to(low)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
-        return F.linear(rms_norm(h[:, -1], self.final_norm, self.final_eps), *self.head)
+        x = rms_norm(h[:, -1], self.final_norm, self.final_eps)
+        return F.linear(x if low is None else x.to(low), *self.head)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         """Feed tokens [b] at position ids [b], cached at column `col`; returns next-token logits [b, V]."""
@@ -153,13 +214,18 @@ class FastDecoder:
         cos = self.cos.index_select(0, positions).view(b, 1, 1, self.head_dim)
         sin = self.signed_sin.index_select(0, positions).view(b, 1, 1, self.head_dim)
         bias = None if self.key_bias is None else self.key_bias.narrow(3, 0, end)  # [b, 1, 1, end]
-        on_cpu = tokens.device.type == "cpu"
+        # On CPU the three-op attention wins in float32; in bfloat16 its batched matmuls copy the cached keys and
+        # values every step, while SDPA reads them in place.
+        on_cpu = tokens.device.type == "cpu" and self.low is None
         attend = self._decode_attention_on_cpu if on_cpu else self._decode_attention
         if on_cpu and bias is not None:
             bias = bias.expand(b, self.n_kv, 1, end).reshape(b * self.n_kv, 1, end)  # per (row, KV head), once
         h = F.embedding(tokens, self.embed)  # [b, H]
+        low = self.low
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             x = rms_norm(h, layer.in_norm, layer.in_eps)
+            if low is not None:
+                x = x.to(low)
             # Grouped-query view: the G query heads sharing a KV head become G query rows of that head.
             q = F.linear(x, *layer.q).view(b, self.n_kv, self.group, self.head_dim)
             k = F.linear(x, *layer.k).view(b, self.n_kv, 1, self.head_dim)
@@ -174,13 +240,17 @@ class FastDecoder:
                 k_scale, v_scale = self.kv_scales[i]
                 k_cache.narrow(2, col, 1).copy_(fp8_kv.quantize(rope(k, cos, sin), k_scale))
                 v_cache.narrow(2, col, 1).copy_(fp8_kv.quantize(v, v_scale))
-                keys = fp8_kv.dequantize(k_cache.narrow(2, 0, end), k_scale, h.dtype)
-                values = fp8_kv.dequantize(v_cache.narrow(2, 0, end), v_scale, h.dtype)
-            a = attend(rope(q, cos, sin), keys, values, bias)  # [b, Hkv, G, D]
+                keys = fp8_kv.dequantize(k_cache.narrow(2, 0, end), k_scale, low or h.dtype)
+                values = fp8_kv.dequantize(v_cache.narrow(2, 0, end), v_scale, low or h.dtype)
+            q = rope(q, cos, sin)
+            a = attend(q if low is None else q.to(low), keys, values, bias)  # [b, Hkv, G, D]
             h = h + F.linear(a.reshape(b, -1), *layer.o)
             x = rms_norm(h, layer.post_norm, layer.post_eps)
+            if low is not None:
+                x = x.to(low)
             h = h + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
-        return F.linear(rms_norm(h, self.final_norm, self.final_eps), *self.head)
+        x = rms_norm(h, self.final_norm, self.final_eps)
+        return F.linear(x if low is None else x.to(low), *self.head)
 
     def _native_step(self, tokens: torch.Tensor, positions: torch.Tensor, col: int) -> torch.Tensor:
         """`step` as one call of the compiled CPU step (same values to float32 rounding)."""

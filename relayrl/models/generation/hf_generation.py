@@ -10,10 +10,15 @@ the results are mapped back to the right-padded layout of `GenerationOutputSpec`
 
 With `kv_cache_dtype=fp8` the cache holds float8 e4m3 values with per-layer scales (`fp8_kv`): the calibrated ones
 handed to `set_kv_scales` (a driver, or a generation worker receiving them with its refit), else 1.0 (logged once).
+
+`precision` (the policy's `policy.precision`): bfloat16 / float16 decode from a copy of the projection weights in
+that dtype (`ComputeWeights`), refreshed whenever the engine's weights move (a new weights version, a refit), with a
+KV cache in that dtype; the HF fallback runs its forward under autocast. float32 decodes from the module itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Mapping
@@ -25,10 +30,12 @@ from torch import nn
 from relayrl.config import GenerationConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models import fp8_kv
+from relayrl.models.fast.compute_weights import ComputeWeights
 from relayrl.models.fast.decoder import FastDecoder, HfDecoder
 from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
 from relayrl.models.generation.sampling import StopStringMatcher, TokenSampler, stop_test
+from relayrl.utils import device as dev
 
 #: Drop finished rows from the live batch (KV cache included) once at most this fraction of it is still running.
 COMPACT_WHEN_ALIVE_FRACTION = 0.75
@@ -59,6 +66,7 @@ class HfGeneration(GenerationInterface):
         max_total_sequence_length: int | None = None,
         seed: int = 0,
         fast_path: bool | None = None,
+        precision: str = "float32",
     ) -> None:
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a relayrl GenerationConfig, got {type(config).__name__}")
@@ -96,6 +104,10 @@ class HfGeneration(GenerationInterface):
         self._closed = False
         self._kv_scales: dict[str, float] | None = None  # calibrated FP8 scales (kv_cache_dtype=fp8)
         self._warned_unit_scales = False
+        dtype = dev.precision_dtype(precision)
+        self.precision = precision
+        self.compute_weights = None if dtype == torch.float32 else ComputeWeights(dtype)
+        self._loads = 0  # weight loads into the engine's module (a refit may keep the version number)
         _ = self.uses_fast_path  # fail early when fast_path=True cannot be honoured
 
     # ------------------------------------------------------------------ state
@@ -164,6 +176,7 @@ class HfGeneration(GenerationInterface):
         if not self._colocated and version != self._synced_version:
             with torch.no_grad():
                 model.load_state_dict(self._source.model.state_dict())
+            self._loads += 1
         self._synced_version = version
         if self._restore_training is None:
             self._restore_training = model.training
@@ -178,15 +191,20 @@ class HfGeneration(GenerationInterface):
             raise RuntimeError("load_weights needs a non-colocated engine (a colocated one reads the live weights)")
         with torch.no_grad():
             self.model.load_state_dict(state)
+        self._loads += 1
         self._synced_version = int(version)
 
+    def weights_changed(self) -> None:
+        """Someone wrote new weights into the engine's module in place (a refit receiver): refresh the compute copy
+        before the next generate() even if the weights version number did not move."""
+        self._loads += 1
+
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """Restore the train/eval mode found at prepare time and release cached device memory."""
+        """Restore the train/eval mode found at prepare time. Cached device memory stays with torch's allocator (the
+        next step reuses it); the policy releases it between phases only if `policy.empty_cache_between_phases`."""
         if self._restore_training is not None and not self._closed:
             self.model.train(self._restore_training)
         self._restore_training = None
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
         return True
 
     def shutdown(self) -> bool:
@@ -246,10 +264,12 @@ class HfGeneration(GenerationInterface):
             generator=None if greedy else self._generator,
             native=self.config.native_cpu_decode and device.type == "cpu",
         )
+        if self.compute_weights is not None and self.uses_fast_path:
+            self.compute_weights.refresh(model, (id(model), self._synced_version, self._loads))
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._autocast(device):
                 result = self._decode(
                     model,
                     input_ids.to(device),
@@ -263,6 +283,12 @@ class HfGeneration(GenerationInterface):
             model.train(was_training)
         tokens, logprobs, gen_len, stopped = (t.cpu() for t in result)
         return assemble_output(input_ids, lengths, tokens, logprobs, gen_len, stopped, self.pad_token_id)
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        """The HF fallback's forward in the compute precision (the fast path uses `compute_weights` instead)."""
+        if self.compute_weights is None or self.uses_fast_path:
+            return contextlib.nullcontext()
+        return dev.autocast(device, self.precision)
 
     def _validate(
         self, data: BatchedDataDict[GenerationDatumSpec]
@@ -317,7 +343,7 @@ class HfGeneration(GenerationInterface):
         scales = self._cache_scales(model)
         if self.uses_fast_path:
             decoder: FastDecoder | HfDecoder = FastDecoder(
-                model, native=self.config.native_cpu_decode, kv_scales=scales
+                model, native=self.config.native_cpu_decode, kv_scales=scales, compute=self.compute_weights
             )
         else:
             decoder = HfDecoder(model, kv_scales=scales)

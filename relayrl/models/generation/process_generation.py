@@ -83,6 +83,7 @@ def _serve(conn: multiprocessing.connection.Connection, init: dict[str, Any]) ->
         device="cpu",
         max_total_sequence_length=init["max_total_sequence_length"],
         seed=init["seed"],
+        precision=init["precision"],
     )
     pin.model = engine.model  # the engine's private copy; the shared-memory original is released
     del init["model"]
@@ -134,6 +135,7 @@ class ProcessGeneration:
         num_threads: int | None,
         deterministic: bool,
         retain_freed_memory: bool = True,
+        precision: str = "float32",
     ) -> None:
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("ProcessGeneration runs on CPU; on a GPU generate in a thread (its own CUDA stream)")
@@ -151,6 +153,7 @@ class ProcessGeneration:
             "num_threads": num_threads,
             "deterministic": deterministic,
             "retain_freed_memory": retain_freed_memory,
+            "precision": precision,
         }
         self._proc = ctx.Process(target=_serve, args=(child, init), name="relayrl-generation", daemon=True)
         self._lock = threading.RLock()  # one request in flight: a trainer-side checkpoint may ask for the RNG

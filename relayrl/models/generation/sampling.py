@@ -38,7 +38,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> 
     if k is not None:
         kth = sorted_logits[..., vocab - k : vocab - k + 1]  # [..., 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [..., V]
+    cum = cumulative_probs(sorted_logits.softmax(dim=-1))  # [..., V]
     drop = cum <= 1.0 - top_p
     drop[..., -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -94,14 +94,42 @@ class TokenSampler:
         return tokens.squeeze(1), probs.gather(1, tokens).log_().squeeze(1)
 
 
+#: Fixed-point CDFs count probability in units of 2**-FIXED_POINT_BITS (int64 sums stay far below 2**63).
+FIXED_POINT_BITS = 40
+
+
+def fixed_point_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """Integer cumulative sums [..., V] of probs in units of 2**-FIXED_POINT_BITS (int64).
+
+    Why: a float cumsum on CUDA has no deterministic kernel (it raises under `torch.use_deterministic_algorithms`);
+    an integer one is exact, so any kernel gives the same result. A probability below 2**-40 counts as zero."""
+    return (probs.double() * 2.0**FIXED_POINT_BITS).floor_().long().cumsum(dim=-1)
+
+
+def cumulative_probs(probs: torch.Tensor) -> torch.Tensor:
+    """probs.cumsum(-1); off the CPU, the fixed-point sums as floats (deterministic on every device). CPU keeps the
+    float cumsum, so CPU samples and filters are unchanged."""
+    if probs.device.type == "cpu":
+        return probs.cumsum(dim=-1)
+    return (fixed_point_cdf(probs).double() * 2.0**-FIXED_POINT_BITS).to(probs.dtype)
+
+
 def sample_inverse_cdf(
-    probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
+    *,
+    fixed_point: bool | None = None,
 ) -> torch.Tensor:
     """One draw per row from `probs` [B, V] (rows sum to ~1; zero-probability tokens are never drawn) -> [B, 1].
 
     The first index whose cumulative probability exceeds u * total (u ~ U[0, 1)) is the sample; a zero-probability
-    token shares its predecessor's cumulative value, so a strict search never lands on it.
+    token shares its predecessor's cumulative value, so a strict search never lands on it. `fixed_point` (default:
+    off the CPU) sums integer units of 2**-40 instead of floats (`fixed_point_cdf`): no float cumsum, which CUDA
+    refuses under deterministic mode; the CPU keeps the float CDF, whose samples the reference runs pin.
     """
+    if fixed_point if fixed_point is not None else probs.device.type != "cpu":
+        return _sample_fixed_point(probs, generator, uniforms)
     cdf = probs.cumsum(dim=-1)  # [B, V]
     total = cdf[:, -1:]  # [B, 1]
     if uniforms is None:
@@ -111,6 +139,20 @@ def sample_inverse_cdf(
     # Keep the target strictly below the total even after rounding, so the search always finds a real token.
     # (The zero is cached: one allocation fewer per decode step.)
     target = torch.minimum(u * total, torch.nextafter(total, _zero(total)))  # [B, 1]
+    return torch.searchsorted(cdf, target, right=True)  # [B, 1]
+
+
+def _sample_fixed_point(
+    probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None
+) -> torch.Tensor:
+    """`sample_inverse_cdf` on an integer CDF: target = floor(u * total) < total, first index whose sum exceeds it."""
+    cdf = fixed_point_cdf(probs)  # [B, V] int64
+    total = cdf[:, -1:]  # [B, 1]
+    if uniforms is None:
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
+    else:
+        u = uniforms.to(device=probs.device, dtype=torch.float64).reshape(-1, 1)  # [B, 1]
+    target = torch.minimum((u * total.double()).floor_().long(), total - 1)  # [B, 1]
     return torch.searchsorted(cdf, target, right=True)  # [B, 1]
 
 

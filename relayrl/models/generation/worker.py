@@ -66,7 +66,12 @@ class GenerationWorker:
         # The engine reads this worker's module in place (the "colocated" engine mode): refit writes into it.
         gen_cfg = policy_config.generation.model_copy(update={"colocated": ColocatedConfig(enabled=True)})
         self.engine = HfGeneration(
-            gen_cfg, tokenizer, self._source, max_total_sequence_length=max_total_sequence_length, seed=seed
+            gen_cfg,
+            tokenizer,
+            self._source,
+            max_total_sequence_length=max_total_sequence_length,
+            seed=seed,
+            precision=policy_config.precision,
         )
         self._refit_info: refit.RefitInfo | None = None
         self._weight_group: refit.WeightUpdateGroup | None = None
@@ -95,6 +100,7 @@ class GenerationWorker:
     def set_weights_version(self, version: int) -> bool:
         """Record the policy version the last refit delivered (the engine refuses to generate on another one)."""
         self._source.weights_version = int(version)
+        self.engine.weights_changed()  # the refit wrote into the module in place: the bf16 copy must follow
         self.engine.prepare_for_generation()
         return True
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from relayrl.models.generation.sampling import cumulative_probs
+
 #: Float32 bytes one [rows, chunk, V] slab may use when no chunk size is configured.
 DEFAULT_CHUNK_BUDGET_BYTES = 64 * 2**20
 #: ... in a no-grad pass over a packed micro-batch (sequence packing), whose thousands of positions would otherwise
@@ -50,7 +52,7 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: int | None, top_p: float) -> t
             drop |= ascending < kth_largest
         if top_p < 1.0:
             probs = ascending.masked_fill(drop, float("-inf")).softmax(dim=-1)  # [N, V]
-            drop |= probs.cumsum(dim=-1) <= 1.0 - top_p
+            drop |= cumulative_probs(probs) <= 1.0 - top_p  # the sampler's sums (deterministic off the CPU)
             drop[:, -1] = False  # the most likely token always survives
         unsorted = torch.empty_like(drop).scatter_(-1, order, drop)  # back to vocabulary order
     return unsorted.view(logits.shape)

@@ -61,6 +61,24 @@ def _load_causal_lm(config: PolicyConfig, weights_path: str | None) -> PreTraine
     return model.float()
 
 
+def _compact(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store a frozen model's `nn.Linear` weights and biases in `dtype` (bfloat16 / float16; float32: unchanged).
+
+    Its passes run under autocast, which rounds exactly these tensors to `dtype` before every product, so the values
+    are the same and the copy takes half the memory. A head tied to the embeddings gets its own copy: the lookup
+    keeps reading float32 embeddings, as autocast leaves them."""
+    if dtype == torch.float32:
+        return
+    embeddings: Any = getattr(model, "get_input_embeddings", None)
+    tied = embeddings().weight if embeddings is not None else None
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if module.weight is tied:
+            module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        module.to(dtype)
+
+
 def percentile_of(values: list[float], percentile: float) -> float:
     """Nearest-rank percentile: sorted values indexed at round(p/100 * (n-1)); 0.0 when there are none."""
     if not values:
@@ -145,13 +163,15 @@ class PolicyWorker(ModelWorker):
 
     def _before_wrap(self) -> None:
         """Snapshot the loaded weights (a checkpoint's on resume, as in the reference system) before any
-        data-parallel wrapping. A second frozen module on the CPU costs the same memory as a state-dict snapshot
-        but needs no weight swapping: on CPU it is used in place, on a GPU it is moved over only for the reference.
+        data-parallel wrapping: a second frozen module, resident on the device (`policy.reference.offload`: parked
+        on the CPU, moved over for each reference pass), its projections in the compute precision (`_compact`).
         Under LoRA the reference is the live module with its adapters off: nothing to copy.
         """
         if self._init_reference_model and self.peft_model is None:
-            self.reference_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-            move_module(self.reference_model, torch.device("cpu"))
+            ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+            _compact(ref, dev.precision_dtype(self.cfg.precision))
+            move_module(ref, torch.device("cpu") if self.cfg.reference.offload else self.device)
+            self.reference_model = ref
 
     # ------------------------------------------------------------------ forward building blocks
     @property
@@ -253,12 +273,13 @@ class PolicyWorker(ModelWorker):
             return BatchedDataDict(reference_logprobs=out)
         ref = self.reference_model
         assert ref is not None
-        move_module(ref, self.device)
+        move_module(ref, self.device)  # a no-op unless policy.reference.offload parked it on the CPU
         try:  # temperature kept, top-k/top-p off: the KL term compares full distributions
             out = self._logprobs(ref, data, micro_batch_size, filtered=False)
         finally:
-            move_module(ref, torch.device("cpu"))
-            dev.empty_cache(self.device)
+            if self.cfg.reference.offload:
+                move_module(ref, torch.device("cpu"))
+                dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)
         return BatchedDataDict(reference_logprobs=out)
 
     def _logprobs(

@@ -189,4 +189,4 @@ class ValueWorker(ModelWorker):
         self._enter_inference(offload_optimizer=True)
 
     def finish_inference(self) -> None:
-        dev.empty_cache(self.device)
+        dev.empty_cache(self.device, self.cfg.empty_cache_between_phases)

@@ -10,7 +10,11 @@
 // to float32 rounding; FastDecoder falls back to it whenever this library is unavailable.
 //
 // Layouts (all float32, contiguous): h [b, H]; k/v caches [b, Hkv, T, D]; cos / signed_sin tables [T_pos, D];
-// positions [b] int64; key_bias [b, T] (0 or -inf) or undefined. Per layer, `weights` holds 16 entries, the module's
+// positions [b] int64; key_bias [b, T] (0 or -inf) or undefined.
+// bfloat16 decoding (policy.precision=bfloat16): the projection weights and biases, the LM head and the k/v caches
+// are bfloat16; each matrix product takes its input rounded to bfloat16 and returns bfloat16 (as autocast's linear),
+// SiLU x up stays bfloat16, and everything else (residual stream, norms, RoPE, scores, softmax) is float32, reading
+// the bfloat16 caches in place. Returns the head's logits in the head's dtype. Per layer, `weights` holds 16 entries, the module's
 // own parameter tensors read in place (biases may be None): in_norm, q w/b, k w/b, v w/b, o w/b, post_norm, gate w/b,
 // up w/b, down w/b; `eps` holds (in_eps, post_eps) per layer.
 #include <ATen/ATen.h>
@@ -61,13 +65,19 @@ void rope(float* x, const float* cos, const float* ssin, int64_t heads, int64_t 
   }
 }
 
-at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+// x @ w^T (+ b) in w's dtype (x is cast to it when they differ).
+at::Tensor dense(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  const at::Tensor x = x_in.scalar_type() == w.scalar_type() ? x_in : x_in.to(w.scalar_type());
   return b.has_value() && b->defined() ? at::addmm(*b, x, w.t()) : at::mm(x, w.t());
 }
 
+// A float32 view of a product's output (no copy when it already is float32).
+at::Tensor as_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+
 }  // namespace
 
-at::Tensor cpu_decode_step(const at::Tensor& tokens, const at::Tensor& embed,
+template <typename C>  // k/v cache element: float or c10::BFloat16
+at::Tensor decode_step_impl(const at::Tensor& tokens, const at::Tensor& embed,
                            const c10::List<std::optional<at::Tensor>>& weights, at::ArrayRef<double> eps,
                            at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos_table,
                            const at::Tensor& sin_table, const at::Tensor& positions,
@@ -87,23 +97,24 @@ at::Tensor cpu_decode_step(const at::Tensor& tokens, const at::Tensor& embed,
   const float* cos_p = cos_table.data_ptr<float>();
   const float* sin_p = sin_table.data_ptr<float>();
   const bool has_bias = key_bias.has_value() && key_bias->defined();
-  const float* bias_p = has_bias ? key_bias->data_ptr<float>() : nullptr;
-  const int64_t bias_stride = has_bias ? key_bias->stride(0) : 0;
+  const at::Tensor bias_f = has_bias ? as_float(*key_bias) : at::Tensor();
+  const float* bias_p = has_bias ? bias_f.data_ptr<float>() : nullptr;
+  const int64_t bias_stride = has_bias ? bias_f.stride(0) : 0;
   const float scale = static_cast<float>(scaling);
 
   for (int64_t l = 0; l < layers; ++l) {
     auto w = [&](int64_t i) -> std::optional<at::Tensor> { return weights.get(l * kPerLayer + i); };
     const float in_eps = static_cast<float>(eps[2 * l]), post_eps = static_cast<float>(eps[2 * l + 1]);
     float* hp = h.data_ptr<float>();
-    rms_norm(hp, w(0)->data_ptr<float>(), in_eps, x.data_ptr<float>(), b, hidden);
-    at::Tensor q = dense(x, *w(1), w(2));  // [b, Hq D]
-    at::Tensor k = dense(x, *w(3), w(4));  // [b, Hkv D]
-    at::Tensor v = dense(x, *w(5), w(6));  // [b, Hkv D]
+    rms_norm(hp, w(0)->template data_ptr<float>(), in_eps, x.data_ptr<float>(), b, hidden);
+    at::Tensor q = as_float(dense(x, *w(1), w(2)));  // [b, Hq D]
+    at::Tensor k = as_float(dense(x, *w(3), w(4)));  // [b, Hkv D]
+    at::Tensor v = as_float(dense(x, *w(5), w(6)));  // [b, Hkv D]
     float* q_p = q.data_ptr<float>();
     float* k_p = k.data_ptr<float>();
     const float* v_p = v.data_ptr<float>();
-    float* kc = k_caches[l].data_ptr<float>();
-    float* vc = v_caches[l].data_ptr<float>();
+    C* kc = k_caches[l].data_ptr<C>();
+    C* vc = v_caches[l].data_ptr<C>();
     const int64_t cap = k_caches[l].size(2);
     float* sp = scores.data_ptr<float>();
     // Rows are independent: RoPE, the cache write and the scores of a row; split over torch's intra-op threads.
@@ -116,25 +127,25 @@ at::Tensor cpu_decode_step(const at::Tensor& tokens, const at::Tensor& embed,
         rope(qr, c, s, n_heads, d);
         rope(kr, c, s, n_kv, d);
         for (int64_t hk = 0; hk < n_kv; ++hk) {
-          float* kdst = kc + ((r * n_kv + hk) * cap + col) * d;
-          float* vdst = vc + ((r * n_kv + hk) * cap + col) * d;
+          C* kdst = kc + ((r * n_kv + hk) * cap + col) * d;
+          C* vdst = vc + ((r * n_kv + hk) * cap + col) * d;
           const float* ksrc = kr + hk * d;
           const float* vsrc = v_p + (r * n_kv + hk) * d;
           for (int64_t i = 0; i < d; ++i) {
-            kdst[i] = ksrc[i];
-            vdst[i] = vsrc[i];
+            kdst[i] = static_cast<C>(ksrc[i]);
+            vdst[i] = static_cast<C>(vsrc[i]);
           }
         }
         // Scores of every query head of this row against its KV head's cached keys.
         for (int64_t hq = 0; hq < n_heads; ++hq) {
           const float* q = qr + hq * d;
-          const float* keys = kc + (r * n_kv + hq / group) * cap * d;
+          const C* keys = kc + (r * n_kv + hq / group) * cap * d;
           float* out = sp + (r * n_heads + hq) * end;
           for (int64_t t = 0; t < end; ++t) {
-            const float* k = keys + t * d;
+            const C* k = keys + t * d;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
+            for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
             out[t] = acc * scale + (has_bias ? bias_p[r * bias_stride + t] : 0.f);
           }
         }
@@ -147,31 +158,51 @@ at::Tensor cpu_decode_step(const at::Tensor& tokens, const at::Tensor& embed,
       for (int64_t r = row_begin; r < row_end; ++r) {
         for (int64_t hq = 0; hq < n_heads; ++hq) {
           const float* p = pp + (r * n_heads + hq) * end;
-          const float* vals = vc + (r * n_kv + hq / group) * cap * d;
+          const C* vals = vc + (r * n_kv + hq / group) * cap * d;
           float* out = ap + (r * n_heads + hq) * d;
           for (int64_t i = 0; i < d; ++i) out[i] = 0.f;
           for (int64_t t = 0; t < end; ++t) {
             const float pt = p[t];
-            const float* v = vals + t * d;
+            const C* v = vals + t * d;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) out[i] += pt * v[i];
+            for (int64_t i = 0; i < d; ++i) out[i] += pt * static_cast<float>(v[i]);
           }
         }
       }
     });
-    at::Tensor o = dense(attn, *w(7), w(8));  // [b, H]
+    at::Tensor o = as_float(dense(attn, *w(7), w(8)));  // [b, H]
     const float* op = o.data_ptr<float>();
     for (int64_t i = 0; i < b * hidden; ++i) hp[i] += op[i];
-    rms_norm(hp, w(9)->data_ptr<float>(), post_eps, x.data_ptr<float>(), b, hidden);
+    rms_norm(hp, w(9)->template data_ptr<float>(), post_eps, x.data_ptr<float>(), b, hidden);
     at::Tensor act = dense(x, *w(10), w(11));  // [b, I] gate, then silu(gate) * up in place
     at::silu_(act).mul_(dense(x, *w(12), w(13)));
-    at::Tensor down = dense(act, *w(14), w(15));  // [b, H]
+    at::Tensor down = as_float(dense(act, *w(14), w(15)));  // [b, H]
     const float* dp = down.data_ptr<float>();
     for (int64_t i = 0; i < b * hidden; ++i) hp[i] += dp[i];
   }
   rms_norm(h.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps), x.data_ptr<float>(), b,
            hidden);
   return dense(x, head_w, head_b);
+}
+
+at::Tensor cpu_decode_step(const at::Tensor& tokens, const at::Tensor& embed,
+                           const c10::List<std::optional<at::Tensor>>& weights, at::ArrayRef<double> eps,
+                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos_table,
+                           const at::Tensor& sin_table, const at::Tensor& positions,
+                           const std::optional<at::Tensor>& key_bias, int64_t col, int64_t n_heads, int64_t n_kv,
+                           int64_t head_dim, double scaling, const at::Tensor& final_norm, double final_eps,
+                           const at::Tensor& head_w, const std::optional<at::Tensor>& head_b) {
+  TORCH_CHECK(!k_caches.empty(), "cpu_decode_step: no layers");
+  const at::ScalarType cache = k_caches[0].scalar_type();
+  TORCH_CHECK(cache == at::kFloat || cache == at::kBFloat16, "cpu_decode_step: float32 or bfloat16 caches only");
+  if (cache == at::kBFloat16) {
+    return decode_step_impl<c10::BFloat16>(tokens, embed, weights, eps, k_caches, v_caches, cos_table, sin_table,
+                                           positions, key_bias, col, n_heads, n_kv, head_dim, scaling, final_norm,
+                                           final_eps, head_w, head_b);
+  }
+  return decode_step_impl<float>(tokens, embed, weights, eps, k_caches, v_caches, cos_table, sin_table, positions,
+                                 key_bias, col, n_heads, n_kv, head_dim, scaling, final_norm, final_eps, head_w,
+                                 head_b);
 }
 
 // One draw per row from probs [b, V] (float32, rows sum to ~1) by inverse CDF with the given uniforms u [b]:
