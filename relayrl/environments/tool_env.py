@@ -179,7 +179,7 @@ class ToolEnvironment(EnvironmentInterface):
         for r, row_results in enumerate(results):
             if not row_results:
                 continue
-            tool_messages = []
+            tool_messages, calls = [], []
             lost = next((res for res in row_results if self._lost(res.status)), None)
             if lost is not None:  # the server failed: no observation, the episode ends (or the run, on "fail")
                 episodes[r].failed = self._server_failure(episodes[r].where, lost.text)
@@ -191,7 +191,10 @@ class ToolEnvironment(EnvironmentInterface):
                 self._counts["tool_errors"] += res.status == "error"
                 self._counts["tool_timeouts"] += res.status == "timeout"
                 tool_messages.append({"role": "tool", "name": job.name, "content": res.text})
-            observations[r] = _chat(tool_messages)
+                calls.append(
+                    {"name": job.name, "arguments": job.arguments, "status": res.status, "latency_s": res.latency_s}
+                )
+            observations[r] = {**_chat(tool_messages), "calls": calls}  # what ran, for the flight recorder
             if getattr(episodes[r].env, "done", False):  # the environment ended the episode (e.g. a server's done)
                 finished.append(r)
         rewards = torch.zeros(n, dtype=torch.float32)  # [B]
