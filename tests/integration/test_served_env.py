@@ -222,3 +222,17 @@ def test_the_cli_trains_2_steps_on_a_served_environment(tmp_path, capsys) -> Non
     assert main(gone + [f"{k}={v}" for k, v in SMALL.items()]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
     assert len(err) == 1 and "served environment http://127.0.0.1:9 failed on dataset row" in err[0], err
+
+
+def test_config_refuses_two_environments_and_bad_tool_names() -> None:
+    from relayrl.utils.config_io import ConfigError, load_config
+
+    served = ["env.openenv.base_url=http://127.0.0.1:1", "env.openenv.action=tests.integration.test_served_env:Guess"]
+    cfg = load_config(None, served)
+    assert cfg.data.train.default_task == "environment" and cfg.env.on_server_error == "fail"
+    with pytest.raises(ConfigError, match="env.openenv and env.environment_factory are both set"):
+        load_config(None, [*served, "env.environment_factory=m:C"])
+    with pytest.raises(ConfigError, match="on_server_error"):
+        load_config(None, [*served, "env.on_server_error=retry"])
+    with pytest.raises(ValueError, match="openenv tool_name 'reset' must be a public identifier"):
+        openenv_environment("http://127.0.0.1:1", Guess, tool_name="reset")
