@@ -9,7 +9,8 @@ opened through the `openenv` package's client (`GenericEnvClient` unless a typed
 - one tool (`tool_name`, default `step`) whose arguments are the server's Action fields (the pydantic schema of
   the Action class, less `metadata`): a call is one `step`; the observation's text is the tool message, its
   reward adds to the episode's, and `done` ends the episode after that message;
-- `get_reward()` is the sum of the step rewards; `close()` ends the session (the rollout calls it).
+- `get_reward()` is the sum of the step rewards; `server_state()` is the server's `state` (for reward functions,
+  which receive the instances as `environments=`); `close()` ends the session (the rollout calls it).
 
 A failure of the server itself (refused or lost connection, no reply within `timeout_s`, an error frame) raises
 `ServerError`; the rollout then ends the run or the episode, as `env.on_server_error` says. Arguments the Action
@@ -90,6 +91,10 @@ def openenv_environment(
 
         def get_reward(self) -> float:
             return float(sum(self.rewards))
+
+        def server_state(self) -> Any:
+            """The server's state of this session (a dict with the generic client, e.g. its step count)."""
+            return _served("state", lambda: self.client.state())
 
         def close(self) -> None:
             if self.client is not None:

@@ -130,6 +130,8 @@ def test_reset_and_steps_of_a_served_episode(server) -> None:
         [{"role": "tool", "name": "step", "content": "correct"}],
     ]
     assert ret.terminateds.tolist() == [False, True] and ret.rewards.tolist() == [0.0, 1.0]
+    live = env._episode(ret.metadata[0]).env  # what reward functions get as environments=: the server's state
+    assert live.server_state()["step_count"] == 1
     bad = [{"role": "assistant", "content": '<tool_call>{"name": "step", "arguments": {"guess": "4"}}</tool_call>'}]
     ret2 = env.step([bad], [ret.metadata[0]])  # an argument the Action refuses: the model's error, told to it
     assert ret2.observations[0]["chat"][0]["content"].startswith("Error: ValueError: invalid arguments for 'step'")
