@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Sets up .venv with what the tests need (dev tools, datasets, Ray, TransferQueue, peft, TRL; idempotent) and runs
-# the checks CI runs: lint, format, type check, the CPU test suite. Arguments go to pytest.
+# Sets up .venv with what the tests need (dev tools, datasets, Ray, TransferQueue, peft, TRL, OpenEnv; idempotent)
+# and runs the checks CI runs: lint, format, type check, the CPU test suite. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev,ray,transfer_queue,lora,bench
+bash scripts/setup.sh dev,ray,transfer_queue,lora,bench,openenv
 # Bytecode of the repository's own modules is cached (__pycache__, git-ignored) even where the environment sets
 # PYTHONDONTWRITEBYTECODE: every CLI run and Ray actor the suite starts would otherwise compile relayrl from source
 # again (0.4-0.6 s of CPU per process importing the trainer and the CLI).

@@ -18,7 +18,7 @@ from typing import Any
 from relayrl.cli.common import fail
 
 EXIT_DIFFERENT = 1
-_SKIP_COLUMNS = ("sample_key",)
+_SKIP_COLUMNS = ("sample_key", "tool_latency_s")  # keys and timings differ between equal runs
 
 
 def add_parser(sub: Any) -> None:

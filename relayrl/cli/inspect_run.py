@@ -1,6 +1,7 @@
 """`relayrl inspect RUN_DIR --step N [--worst K | --best K]`: a recorded step's samples in the terminal.
 
-Per sample: prompt, completion, reward components (environment reward, the reward after shaping that the
+Per sample: prompt and completion (a multi-turn conversation turn by turn: role, token span, tool calls with their
+arguments, tool results), reward components (environment reward, the reward after shaping that the
 advantages used, the group's baseline and std), advantage, and the completion tokens where the policy's log-prob
 (previous-policy pass; the reference pass when the run skipped it) and the generation engine's disagree most.
 """
@@ -61,6 +62,7 @@ def step_samples(table: Any, tokens: int) -> tuple[list[dict[str, Any]], str | N
                 "components": _components(cols["env_metadata"][i]) if "env_metadata" in cols else {},
                 "advantage": row_advantage(cols["advantages"][i], mask),
                 "gaps": [(pos, cols["input_ids"][i][pos], gap) for pos, gap in gaps],
+                "turns": json.loads(cols["turns"][i]) if "turns" in cols else [],
             }
         )
     return rows, source
@@ -95,10 +97,35 @@ def run(args: argparse.Namespace) -> int:
         )
         if r["components"]:  # reward functions: each one's value for this row
             console.print("  reward components: " + ", ".join(f"{k} {v}" for k, v in r["components"].items()))
-        console.print(f"  prompt:     {escape(r['prompt'])}")
-        console.print(f"  completion: [cyan]{escape(r['completion'])}[/cyan]")
+        if _multi_turn(r["turns"]):
+            console.print("  conversation:")
+            for line in conversation_lines(r["turns"]):
+                console.print("    " + escape(line))
+        else:
+            console.print(f"  prompt:     {escape(r['prompt'])}")
+            console.print(f"  completion: [cyan]{escape(r['completion'])}[/cyan]")
         console.print(f"  largest {which} − generation log-prob gaps: {escape(gaps)}")
     return 0
+
+
+def _multi_turn(turns: list[dict[str, Any]]) -> bool:
+    return sum(t["role"] == "assistant" for t in turns) > 1 or any(t["role"] == "tool" for t in turns)
+
+
+def conversation_lines(turns: list[dict[str, Any]]) -> list[str]:
+    """A recorded conversation, a line per turn (role, token span, text) and per tool call (name, arguments, result)."""
+    lines = []
+    for t in turns:
+        flags = "".join(f" ({k})" for k, v in (t.get("flags") or {}).items() if v)
+        text = t["content"] if t["role"] != "tool" or "results" not in t else ""
+        lines.append(f"{t['role']} [{t['start']}:{t['end']}]{flags}: {text}".rstrip())
+        for call in t.get("tool_calls") or []:
+            lines.append(f"  call {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})")
+        for res in t.get("results") or []:
+            lines.append(
+                f"  {res['name']} -> {res['content']}" + ("" if res["status"] == "ok" else f" ({res['status']})")
+            )
+    return lines
 
 
 def _components(env_metadata: str | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from relayrl.cli import diff as diff_cli
 from relayrl.cli import export as export_cli
+from relayrl.cli import export_rollouts as export_rollouts_cli
 from relayrl.cli import inspect_run as inspect_cli
 from relayrl.cli import replay as replay_cli
 from relayrl.config import MasterConfig
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
-    for command in (replay_cli, diff_cli, inspect_cli, export_cli):  # each module adds its parser and its handler
+    for command in (replay_cli, diff_cli, inspect_cli, export_cli, export_rollouts_cli):  # each adds parser, handler
         command.add_parser(sub)
 
     c = sub.add_parser("config", help="show the resolved config (GRPO or PPO) with every field's description")

@@ -302,7 +302,7 @@ class MasterConfig(Strict):
         for key, ds in (("data.train", self.data.train), ("data.validation", self.data.validation)):
             if ds is not None and ds.source in ("file", "hf") and not ds.path:
                 raise ValueError(f"{key}.path is required when {key}.source is '{ds.source}'")
-        if self.env.environment_factory is not None:
+        if self.env.environment_factory is not None or self.env.openenv is not None:
             apply_environment_defaults(self, several=isinstance(self.env.environment_factory, dict))
         elif self.env.reward_fns:  # the reward functions score every row that names no task of its own
             for ds in (self.data.train, self.data.validation):

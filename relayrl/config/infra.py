@@ -114,6 +114,27 @@ REWARD_FNS_TASK = "reward_fns"
 ENVIRONMENT_TASK = "environment"
 
 
+class OpenEnvConfig(Strict):
+    """`env.openenv`: an OpenEnv server as the run's environment (`relayrl.environments.openenv_env`)."""
+
+    base_url: str
+    """The server's address, e.g. `http://127.0.0.1:8000` (one WebSocket session per rollout)."""
+    action: str
+    """The server's Action class by import path (`module:Class` or `file.py:Class`): its fields are the tool's
+    arguments."""
+    client: str | None = None
+    """An `EnvClient` subclass by import path; None uses openenv's `GenericEnvClient` (plain dicts)."""
+    tool_name: str = "step"
+    """The name the model calls the server's step by."""
+    observation_field: str | None = None
+    """The observation field holding its text; None: its only field besides done/reward/metadata, else those as
+    JSON."""
+    reset_columns: list[str] = []
+    """Dataset columns passed to the server's reset as keyword arguments (e.g. which task to play)."""
+    timeout_s: PositiveFloat = 30.0
+    """Deadline of the connection and of each reply; a server past it has failed (`env.on_server_error`)."""
+
+
 class EnvConfig(Strict):
     math: MathEnvConfig = MathEnvConfig()
     """Settings of the `math` task's verifier."""
@@ -137,6 +158,13 @@ class EnvConfig(Strict):
     tool_timeout_s: PositiveFloat = 60.0
     """Deadline of one tool call; a call past it costs this long, its result tells the model it timed out, and it
     is counted (`env/tool_timeouts`). Calls of a batch run concurrently (one thread each)."""
+    openenv: OpenEnvConfig | None = None
+    """Set to play every episode on an OpenEnv server (in place of an `environment_factory` class; task
+    `environment`): reset and step through the `openenv` package's client, the step as the model's one tool."""
+    on_server_error: Literal["fail", "count"] = "fail"
+    """What a served environment's failure (lost or refused connection, no reply within its timeout) does: `fail`
+    ends the run with one line; `count` ends that episode (reward 0 from the environment) and counts it
+    (`env/server_errors`)."""
 
     @model_validator(mode="after")
     def _reward_fn_paths(self) -> EnvConfig:
@@ -159,6 +187,8 @@ class EnvConfig(Strict):
                 raise ValueError(
                     f"env.environment_factory entry {entry!r} must look like module:Class or file.py:Class"
                 )
+        if self.openenv is not None and self.environment_factory is not None:
+            raise ValueError("env.openenv and env.environment_factory are both set; give one environment")
         if self.tool_call_parser != "hermes" and not all(self.tool_call_parser.rpartition(":")[::2]):
             raise ValueError(
                 f"env.tool_call_parser {self.tool_call_parser!r} must be 'hermes' or module:function / file.py:function"

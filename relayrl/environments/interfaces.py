@@ -62,7 +62,8 @@ class EpisodeEnvironment(Protocol):
     """What an environment adds to `EnvironmentInterface` to keep one object per rollout (TRL's
     `environment_factory`): the rollout starts every row's episode before the first turn and ends the episodes
     it stops itself (turn limit, sequence budget) after the last. Its observations may be chat messages
-    (`{"role", "content", "chat": [messages]}`), which the rollout renders through the chat template."""
+    (`{"role", "content", "chat": [messages]}`), which the rollout renders through the chat template, with the
+    tool calls that produced them (`"calls": [{"name", "arguments", "status", "latency_s"}]`, recorded per turn)."""
 
     def start_episodes(self, metadata: list[dict[str, Any] | None]) -> list[EpisodeStart]:
         """Create and reset one environment per row; raises naming the class and dataset row when reset fails."""

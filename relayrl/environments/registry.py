@@ -62,12 +62,28 @@ def build_tool_environments(
     from relayrl.environments.tool_env import ToolEnvironment
 
     configured, env = cfg.env.environment_factory, cfg.env
-    if configured is not None and given is not None:
-        raise ValueError("environment classes are given twice: env.environment_factory and environment_factory=")
-    if configured is None and given is None:
+    if (configured is not None or env.openenv is not None) and given is not None:
+        what = "env.environment_factory" if configured is not None else "env.openenv"
+        raise ValueError(f"environment classes are given twice: {what} and environment_factory=")
+    if configured is None and given is None and env.openenv is None:
         return {}
     factories: dict[str, Any]
-    if configured is not None:
+    if env.openenv is not None:  # a served environment: its class is made from the server's Action
+        from relayrl.environments.openenv_env import openenv_environment
+
+        o = env.openenv
+        factories = {
+            ENVIRONMENT_TASK: openenv_environment(
+                o.base_url,
+                o.action,
+                client=o.client,
+                tool_name=o.tool_name,
+                observation_field=o.observation_field,
+                reset_columns=o.reset_columns,
+                timeout_s=o.timeout_s,
+            )
+        }
+    elif configured is not None:
         key = "env.environment_factory"
         entries = {ENVIRONMENT_TASK: configured} if isinstance(configured, str) else dict(configured)
         factories = {
@@ -88,6 +104,7 @@ def build_tool_environments(
             tool_timeout_s=env.tool_timeout_s,
             template_kwargs=cfg.policy.tokenizer.chat_template_kwargs,
             metric_prefix=f"env/{name}" if several else "env",
+            on_server_error=env.on_server_error,
         )
         for name, factory in factories.items()
     }

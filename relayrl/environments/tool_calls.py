@@ -77,12 +77,17 @@ def _check_call(call: Any) -> dict[str, Any]:
     return {"name": call["name"], "arguments": args}
 
 
+class ServerError(RuntimeError):
+    """A tool's environment server failed (connection, timeout, error reply): not the model's mistake, so it is not
+    returned to the model as the tool's result; the rollout ends the run or the episode (`env.on_server_error`)."""
+
+
 @dataclass
 class CallResult:
     """What one tool call gave: the text returned to the model, and how it went."""
 
     text: str
-    status: str  # "ok", "error" (raised), "timeout"
+    status: str  # "ok", "error" (raised), "timeout", "server_error" (raised ServerError)
     latency_s: float
 
 
@@ -116,6 +121,8 @@ def _run_round(jobs: list[ToolJob], timeout_s: float) -> list[CallResult]:
         try:
             value = _call(job)
             slots[k] = CallResult(_as_text(value), "ok", time.monotonic() - t0)
+        except ServerError as exc:  # the environment's server: the rollout decides (env.on_server_error)
+            slots[k] = CallResult(str(exc), "server_error", time.monotonic() - t0)
         except Exception as exc:  # the tool's failure is the model's observation
             slots[k] = CallResult(f"Error: {type(exc).__name__}: {exc}", "error", time.monotonic() - t0)
         finally:

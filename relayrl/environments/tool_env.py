@@ -14,13 +14,17 @@ their results go back as `tool` messages; a reply without a call ends the episod
 error text to the model; a malformed call or an unknown tool returns a parse error and flags the message
 `is_invalid_tool_call` (penalised by `grpo.invalid_tool_call_advantage`). Counts are logged as `env/...`.
 An exception in the class's constructor, `reset` or `get_reward` ends the run (`EnvironmentClassError`, one line
-naming the class and the dataset row).
+naming the class and the dataset row). An instance whose `done` attribute is true after its calls ends the episode
+once their results are appended. A served environment's failure (`ServerError` from `reset` or a tool; a tool call
+past its deadline on a class with `served_by`) ends the run (`on_server_error="fail"`), or ends the episode without
+asking `get_reward` and counts it (`"count"`, `env/server_errors`). Instances are `close()`d when their episode ends.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +40,27 @@ from relayrl.environments.interfaces import (
     MessageLog,
 )
 from relayrl.environments.reward_fn_env import RewardFunctionEnvironment
-from relayrl.environments.tool_calls import ToolCallParser, ToolJob, parse_hermes, run_calls, tool_schemas
+from relayrl.environments.tool_calls import (
+    ServerError,
+    ToolCallParser,
+    ToolJob,
+    parse_hermes,
+    run_calls,
+    tool_schemas,
+)
+
+log = logging.getLogger(__name__)
 
 #: Counters reported per rollout (then reset), as `<prefix>/<name>`.
-COUNTERS = ("episodes", "tool_calls", "tool_errors", "tool_timeouts", "invalid_tool_calls", "tool_latency_s")
+COUNTERS = (
+    "episodes",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "invalid_tool_calls",
+    "tool_latency_s",
+    "server_errors",
+)
 
 
 class EnvironmentClassError(RuntimeError):
@@ -47,10 +68,15 @@ class EnvironmentClassError(RuntimeError):
     the dataset row)."""
 
 
+class ServedEnvironmentError(EnvironmentClassError):
+    """A served environment's server failed with `env.on_server_error=fail` (one line naming it and the row)."""
+
+
 @dataclass
 class _Episode:
     env: Any
     where: str  # "dataset row N" / "batch row N", for errors
+    failed: str | None = None  # the server failure that ended it (on_server_error="count")
 
 
 class ToolEnvironment(EnvironmentInterface):
@@ -65,18 +91,24 @@ class ToolEnvironment(EnvironmentInterface):
         tool_timeout_s: float = 60.0,
         template_kwargs: dict[str, Any] | None = None,
         metric_prefix: str = "env",
+        on_server_error: str = "fail",
     ) -> None:
         if not callable(factory):
             raise ValueError(f"environment_factory {factory!r} is not a class (or callable making an environment)")
         self.factory = factory
         self.name = getattr(factory, "__name__", type(factory).__name__)
-        self.schemas = tool_schemas(factory) if isinstance(factory, type) else {}
+        given = getattr(factory, "relayrl_tools", None)  # a served environment's schemas come from its server's Action
+        self.schemas = dict(given) if given is not None else tool_schemas(factory) if isinstance(factory, type) else {}
         self.tools = list(self.schemas.values()) or None
         self.reward_fns = reward_fns
         self.parser = parser
         self.tool_timeout_s = tool_timeout_s
         self.template_kwargs = dict(template_kwargs or {})
         self.metric_prefix = metric_prefix
+        if on_server_error not in ("fail", "count"):
+            raise ValueError(f"env.on_server_error must be 'fail' or 'count', got {on_server_error!r}")
+        self.on_server_error = on_server_error
+        self.served_by = getattr(factory, "served_by", None)
         self._episodes: dict[int, _Episode] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -91,14 +123,22 @@ class ToolEnvironment(EnvironmentInterface):
             where = f"dataset row {meta['row']}" if meta.get("row") is not None else f"batch row {k}"
             env = self._user_call(self.factory, "()", where)
             reset = getattr(env, "reset", None)  # optional: a class without one starts every episode as it is
-            text = self._user_call(reset, ".reset", where, **_reset_kwargs(reset, meta)) if callable(reset) else None
+            failed = None
+            try:
+                text = (
+                    self._user_call(reset, ".reset", where, **_reset_kwargs(reset, meta)) if callable(reset) else None
+                )
+            except EnvironmentClassError as exc:
+                if not isinstance(exc.__cause__, ServerError):
+                    raise
+                text, failed = None, self._server_failure(where, str(exc.__cause__))
             if text is not None and not isinstance(text, str):
                 raise EnvironmentClassError(
                     f"{self.name}.reset returned a {type(text).__name__} on {where}; return a str or None"
                 )
             with self._lock:
                 episode = next(self._ids)
-                self._episodes[episode] = _Episode(env, where)
+                self._episodes[episode] = _Episode(env, where, failed)
             messages = [dict(m) for m in meta.get("messages") or [{"role": "user", "content": str(meta.get("prompt"))}]]
             if text:
                 first = next((m for m in messages if m["role"] == "user"), messages[-1])
@@ -117,6 +157,9 @@ class ToolEnvironment(EnvironmentInterface):
         jobs: list[list[ToolJob]] = [[] for _ in range(n)]
         finished: list[int] = []
         for r, log in enumerate(message_log_batch):
+            if episodes[r].failed:  # its server failed before: the episode ends now
+                finished.append(r)
+                continue
             reply = next((str(m.get("content") or "") for m in reversed(log) if m.get("role") == "assistant"), "")
             try:
                 calls = self.parser(reply)
@@ -136,14 +179,24 @@ class ToolEnvironment(EnvironmentInterface):
         for r, row_results in enumerate(results):
             if not row_results:
                 continue
-            tool_messages = []
+            tool_messages, calls = [], []
+            lost = next((res for res in row_results if self._lost(res.status)), None)
+            if lost is not None:  # the server failed: no observation, the episode ends (or the run, on "fail")
+                episodes[r].failed = self._server_failure(episodes[r].where, lost.text)
+                finished.append(r)
+                continue
             for job, res in zip(jobs[r], row_results):
                 self._counts["tool_calls"] += 1
                 self._counts["tool_latency_s"] += res.latency_s
                 self._counts["tool_errors"] += res.status == "error"
                 self._counts["tool_timeouts"] += res.status == "timeout"
                 tool_messages.append({"role": "tool", "name": job.name, "content": res.text})
-            observations[r] = _chat(tool_messages)
+                calls.append(
+                    {"name": job.name, "arguments": job.arguments, "status": res.status, "latency_s": res.latency_s}
+                )
+            observations[r] = {**_chat(tool_messages), "calls": calls}  # what ran, for the flight recorder
+            if getattr(episodes[r].env, "done", False):  # the environment ended the episode (e.g. a server's done)
+                finished.append(r)
         rewards = torch.zeros(n, dtype=torch.float32)  # [B]
         terminated = torch.zeros(n, dtype=torch.bool)  # [B]
         if finished:
@@ -169,8 +222,11 @@ class ToolEnvironment(EnvironmentInterface):
         """`get_reward()` plus the reward functions (given `environments=`), then release the instances."""
         episodes = [self._episode(m) for m in metas]
         own = [0.0] * len(logs)
-        if callable(getattr(self.factory, "get_reward", None)):
-            own = [float(self._user_call(ep.env.get_reward, ".get_reward", ep.where)) for ep in episodes]
+        if callable(getattr(self.factory, "get_reward", None)):  # not asked of an episode its server failed
+            own = [
+                0.0 if ep.failed else float(self._user_call(ep.env.get_reward, ".get_reward", ep.where))
+                for ep in episodes
+            ]
         total = torch.tensor(own, dtype=torch.float32)  # [B]
         components: list[dict[str, Any]] = [
             {"get_reward": v} if hasattr(self.factory, "get_reward") else {} for v in own
@@ -186,11 +242,17 @@ class ToolEnvironment(EnvironmentInterface):
         with self._lock:
             for m in metas:
                 self._episodes.pop(int(m["episode"]), None)
+        for ep in episodes:
+            _close(ep)
         # the episode's id is this process's counter: it leaves the row's metadata with the episode (records of a
         # resumed run then equal an uninterrupted run's)
         out = [
-            {**{k: v for k, v in m.items() if k != "episode"}, "reward_components": p}
-            for m, p in zip(metas, components)
+            {
+                **{k: v for k, v in m.items() if k != "episode"},
+                "reward_components": p,
+                **({"server_error": ep.failed} if ep.failed else {}),
+            }
+            for m, p, ep in zip(metas, components, episodes)
         ]
         return EpisodeEnd(total, list(out))
 
@@ -202,6 +264,28 @@ class ToolEnvironment(EnvironmentInterface):
         if found is None:
             raise RuntimeError(f"{self.name}: a row reached the environment with no live episode ({episode!r})")
         return found
+
+    def _lost(self, status: str) -> bool:
+        """A call that shows its server failed: it raised ServerError, or a served environment's call timed out."""
+        return status == "server_error" or (status == "timeout" and self.served_by is not None)
+
+    def _server_failure(self, where: str, reason: str) -> str:
+        """`on_server_error`: "fail" raises (one line), "count" counts it and returns the reason the episode keeps."""
+        server = f"served environment {self.served_by}" if self.served_by else f"environment class {self.name}"
+        if self.on_server_error == "fail":
+            raise ServedEnvironmentError(
+                f"{server} failed on {where}: {reason}; env.on_server_error=count ends the episode instead"
+            )
+        self._counts["server_errors"] += 1
+        log.warning("%s failed on %s: %s; the episode ends (env.on_server_error=count)", server, where, reason)
+        return reason
+
+    def shutdown(self) -> None:
+        """Close the instances of episodes still open (a run that stopped mid-rollout)."""
+        with self._lock:
+            live, self._episodes = list(self._episodes.values()), {}
+        for ep in live:
+            _close(ep)
 
     def _user_call(self, fn: Any, what: str, where: str, **kwargs: Any) -> Any:
         try:
@@ -228,6 +312,16 @@ class ToolEnvironment(EnvironmentInterface):
         rewards = torch.as_tensor(batch["rewards"] if "rewards" in batch else batch["total_reward"])  # [B]
         n = rewards.shape[0]
         return batch, {"reward_mean": rewards.float().mean().item() if n else 0.0, "num_problems_in_batch": n}
+
+
+def _close(episode: _Episode) -> None:
+    """`close()` an ended episode's instance when it has one (a served environment's session); best effort."""
+    close = getattr(episode.env, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as exc:  # a session on a server that is gone: nothing left to release
+            log.warning("closing the environment of %s failed: %s: %s", episode.where, type(exc).__name__, exc)
 
 
 def _chat(messages: list[Message]) -> Message:

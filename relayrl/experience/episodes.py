@@ -58,7 +58,10 @@ def start_episodes(
                     f"row {i} (task {task!r}): its first prompt with the tool schemas is {len(ids)} tokens, leaving "
                     f"no room under policy.max_total_sequence_length={max_seq_len}; raise it or shorten the prompt"
                 )
-            batch["message_log"][i] = [{"role": "user", "content": text, "token_ids": torch.tensor(ids)}]
+            batch["message_log"][i] = [
+                # `messages`: the conversation as the environment began it (the flight recorder keeps it)
+                {"role": "user", "content": text, "token_ids": torch.tensor(ids), "messages": list(start.messages)}
+            ]
             batch["extra_env_info"][i] = start.metadata
             if "length" in batch:
                 batch["length"][i] = len(ids)

@@ -4,6 +4,10 @@ reward and metadata, truncation, prompt group), kept by sample key until the ste
 On the data plane the rollout actor holds these (they never cross the driver); at the end of a recorded step it
 joins them with the step's columns read from the store and writes the file (`relayrl.data_plane.recorder`). The
 legacy trainer, which holds its whole batch, builds the same rows from its message logs (`rollout_rows`).
+
+Each row also keeps its conversation turn by turn (`turns`, JSON; `turn_records`): per message its role, token
+span in the sample's sequence, text; an assistant turn's tool calls (name, arguments), a tool turn's results. The
+calls' latencies are a column of their own (`tool_latency_s`), so that `turns` is the same in two runs of one seed.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ ROW_COLUMNS: tuple[str, ...] = (
     "prompt_length",
     "response_token_length",
     "env_metadata",
+    "turns",
+    "tool_latency_s",
 )
+#: Columns a stash row of an older checkpoint lacks (added since), with the value it gets.
+_LATER_COLUMNS = {"turns": "[]", "tool_latency_s": "[]"}
 
 
 @dataclasses.dataclass
@@ -55,6 +63,43 @@ def _text(msgs: MessageLog, roles: tuple[str, ...]) -> str:
     return "".join(m["content"] for m in msgs if m["role"] in roles)
 
 
+def turn_records(msgs: MessageLog) -> tuple[list[dict[str, Any]], list[float]]:
+    """The conversation of one rollout, a record per message, and its tool calls' latencies (seconds, in order).
+
+    A record is `{"role", "start", "end", "content"}` (`[start, end)`: the message's tokens in the sample's
+    sequence, which the recording may cut after the last trained token); an assistant turn whose calls ran adds
+    `tool_calls` (`[{"name", "arguments"}]`) and its environment flags; the tool turn after it adds `results`
+    (`[{"name", "content", "status"}]`, one per call, in order) and `messages` (what the chat template rendered)."""
+    records: list[dict[str, Any]] = []
+    latencies: list[float] = []
+    at = 0
+    for m in msgs:
+        n = len(m["token_ids"])
+        rec: dict[str, Any] = {"role": m["role"], "start": at, "end": at + n, "content": m["content"]}
+        if m.get("flags"):
+            rec["flags"] = {k: bool(v) for k, v in m["flags"].items()}
+        chat = m.get("messages")
+        if chat is not None:
+            rec["messages"] = [{"role": c["role"], "content": c["content"], **_name(c)} for c in chat]
+        calls = m.get("calls")
+        if calls:
+            if records and records[-1]["role"] == "assistant":
+                records[-1]["tool_calls"] = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+            texts = [c["content"] for c in chat or [] if c.get("role") == "tool"]
+            rec["results"] = [
+                {"name": c["name"], "content": texts[k] if k < len(texts) else "", "status": c["status"]}
+                for k, c in enumerate(calls)
+            ]
+            latencies += [float(c["latency_s"]) for c in calls]
+        records.append(rec)
+        at += n
+    return records, latencies
+
+
+def _name(message: dict[str, Any]) -> dict[str, Any]:
+    return {"name": message["name"]} if message.get("name") else {}
+
+
 def rollout_rows(
     message_logs: Sequence[MessageLog],
     env_reward: torch.Tensor,
@@ -68,6 +113,7 @@ def rollout_rows(
     """The `ROW_COLUMNS` of a finished rollout: one list entry per row ([B] tensors in, Python values out)."""
     n = len(message_logs)
     meta = list(env_metadata) if env_metadata is not None else [None] * n
+    turns = [turn_records(m) for m in message_logs]
     return {
         "prompt_group": prompt_group.tolist(),
         "task_name": list(task_names) if task_names is not None else [""] * n,
@@ -81,6 +127,8 @@ def rollout_rows(
             next((len(m["token_ids"]) for m in msgs if m["role"] == "assistant"), 0) for msgs in message_logs
         ],
         "env_metadata": [json.dumps(x, default=str, sort_keys=True) for x in meta],
+        "turns": [json.dumps(records, default=str) for records, _ in turns],
+        "tool_latency_s": [json.dumps(latencies) for _, latencies in turns],
     }
 
 
@@ -131,7 +179,10 @@ def export_rows(stash: RolloutStash, batches: Sequence[tuple[str, Sequence[str]]
 def import_rows(stash: RolloutStash, saved: dict[str, Any]) -> None:
     """Put rows `export_rows` wrote back, one partition per batch (a resumed async run records those steps)."""
     for part, rows in saved.items():
-        stash.add(part, list(rows), {n: [r[j] for r in rows.values()] for j, n in enumerate(ROW_COLUMNS)}, True)
+        columns = {
+            n: [r[j] if j < len(r) else _LATER_COLUMNS[n] for r in rows.values()] for j, n in enumerate(ROW_COLUMNS)
+        }
+        stash.add(part, list(rows), columns, True)
 
 
 def record_from_store(client: DataPlaneClient, stash: RolloutStash, meta: KVBatchMeta, request: RecordRequest) -> str:

@@ -147,6 +147,8 @@ def run_multi_turn_rollout(
                 text, ids_j = observation_ids(renderer, chat, i, batch["message_log"][i][-1]["token_ids"], obs)
                 obs_token_ids[j] = ids_j
                 obs = {"role": obs["role"], "content": text, "messages": list(obs["chat"])}
+                if "calls" in env_out.observations[j]:  # the tool calls that ran (name, arguments, status, latency)
+                    obs["calls"] = list(env_out.observations[j]["calls"])
             else:
                 obs = {"role": obs["role"], "content": obs["content"]}
             obs_ids = torch.tensor(obs_token_ids[j], dtype=torch.long)  # [o]

@@ -164,3 +164,41 @@ def test_a_failing_reset_ends_the_cli_run_with_one_line(tmp_path, monkeypatch, c
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
     assert len(err) == 1, err
     assert "environment class Picky.reset failed on dataset row 5: ZeroDivisionError: integer division" in err[0]
+
+
+def test_recorded_turns_are_inspected_and_exported_as_chat_messages(runs, tmp_path, capsys) -> None:
+    """`relayrl inspect` prints a multi-turn sample turn by turn; `relayrl export-rollouts` writes the step's
+    conversations as OpenAI-style chat messages with tool calls; bad input is one line, exit 2."""
+    run = runs["api"]
+    table = pq.read_table(run / "rollouts" / "step_000001.parquet").to_pylist()
+    out = tmp_path / "step1.jsonl"
+    assert main(["export-rollouts", str(run), "--step", "1", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["sample_key"] for x in lines] == [r["sample_key"] for r in table]
+    assert [x["reward"] for x in lines] == [r["reward_env"] for r in table]
+    called = 0
+    for line, row in zip(lines, table):
+        messages = line["messages"]
+        assert messages[0]["role"] == "user" and messages[1]["role"] == "assistant"
+        for k, m in enumerate(messages):
+            for c in m.get("tool_calls") or []:  # a call the tool ran: its result follows, naming the tool
+                value = json.loads(c["function"]["arguments"])["value"]
+                assert c["function"]["name"] == "check" and f"\\boxed{{{value}}}" in m["content"]
+                result = messages[k + 1]
+                assert result["role"] == "tool" and result["tool_call_id"] == c["id"] and result["name"] == "check"
+                assert result["content"] in ("correct", "wrong")
+                called += 1
+        assert "".join(m["content"] for m in messages if m["role"] == "assistant") == row["completion"]
+    assert called == sum(len(json.loads(r["tool_latency_s"])) for r in table) > 0
+    capsys.readouterr()
+    assert main(["inspect", str(run), "--step", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "conversation:" in printed and re.search(r"call check\(\{\"value\": \"\d+\"\}\)", printed)
+    assert re.search(r"check -> (correct|wrong)", printed)
+    for argv, problem in (
+        ([str(tmp_path / "nope"), "--step", "1"], "run directory does not exist"),
+        ([str(run), "--step", "99"], "no flight recording of step 99"),
+    ):
+        assert main(["export-rollouts", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and problem in err[0], err
