@@ -300,6 +300,10 @@ class PromptDataset(Dataset):
     def __len__(self) -> int:
         return len(self._items)
 
+    def fingerprint_items(self) -> list[str]:
+        """Each row as its rendered prompt, task and answer: what a resume compares with its checkpoint's data."""
+        return [f"{text}\0{rec.task}\0{rec.answer}" for text, _, rec in self._items]
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         rendered, ids, rec = self._items[i]
         return {
