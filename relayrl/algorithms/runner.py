@@ -8,8 +8,10 @@ the same metrics the same way and stop at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -165,6 +167,37 @@ def save_checkpoint(
     return checkpointer.finalize_checkpoint(tmp)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, read-only or vanished directory); the previous complete one
+    stays the resume point. One line naming the path."""
+
+
+@contextlib.contextmanager
+def _write_failure(checkpointer: Checkpointer, step: int) -> Iterator[None]:
+    """A failed checkpoint write: its temporary directory removed (space back), one `CheckpointWriteError` line.
+    A dead or stuck rank, or the async producer's failure, keep their own errors."""
+    from relayrl.algorithms.async_rollouts import ProducerDiedError
+    from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
+
+    try:
+        yield
+    except (WorkerDiedError, RemoteTimeoutError, ProducerDiedError):
+        raise
+    except (OSError, RuntimeError) as exc:
+        root = Path(getattr(checkpointer, "checkpoint_dir", "."))
+        where = getattr(exc, "filename", None) or root / f"tmp_step_{step}"
+        reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        try:
+            free = f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+        except OSError:
+            free = ""
+        shutil.rmtree(root / f"tmp_step_{step}", ignore_errors=True)
+        raise CheckpointWriteError(
+            f"the checkpoint of step {step} could not be written to {where} ({reason}{free}); the newest complete "
+            "checkpoint stays the resume point"
+        ) from exc
+
+
 class StepTail:
     """The end of every training step: validate, count, checkpoint, log. One copy for every trainer, so they log the
     same metrics in the same order."""
@@ -178,7 +211,7 @@ class StepTail:
         p = self.parts
         if not p.cfg.checkpointing.enabled:
             return False
-        with p.timer.time("checkpointing"):
+        with p.timer.time("checkpointing"), _write_failure(p.checkpointer, step):
             p.state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None
             save_checkpoint(
                 checkpointer=p.checkpointer,

@@ -23,6 +23,7 @@ from relayrl.utils.config_io import ConfigError, check_recorded_config, classify
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
 EXIT_USAGE = 2
+FORCED_EXIT_S = 5.0  # after a second Ctrl-C, the longest clean-up before the process exits regardless
 
 
 def _fail(message: str) -> int:
@@ -161,13 +162,15 @@ def _train(args: argparse.Namespace) -> int:
         if problem:
             return _fail(problem)
     from relayrl.algorithms.async_rollouts import ProducerDiedError
+    from relayrl.algorithms.runner import CheckpointWriteError
     from relayrl.algorithms.setup import ResumeOptions, SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
     from relayrl.environments.reward_fn_env import RewardFunctionError
-    from relayrl.utils.signals import TrainingInterrupted, exit_code
+    from relayrl.utils.signals import TrainingInterrupted, exit_code, set_forced_exit_deadline
 
     resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
+    set_forced_exit_deadline(FORCED_EXIT_S, resume)  # a second Ctrl-C ends this process within seconds, whatever hangs
     try:
         options = ResumeOptions(restart=args.restart, allow_inexact=args.allow_inexact_resume)
         summary = run_training(cfg, run_dir, new_run_dir=fresh, announce=True, resume=options)
@@ -184,6 +187,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: out at once
         print(f"relayrl: interrupted; {resume}", file=sys.stderr)
         return exit_code(2)
+    except CheckpointWriteError as exc:  # disk full, read-only: the previous checkpoint is intact
+        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        return 1
     except NonFiniteError as exc:  # stopped before the bad step changed any weight
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
@@ -198,6 +204,10 @@ def _train(args: argparse.Namespace) -> int:
         found = [ln[ln.index("rank ") :] for ln in lines if "rank " in ln and " died" in ln]
         reason = found[-1] if found else (lines[0] if lines else type(exc).__name__)
         print(f"relayrl: error: {reason}; {resume}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a run directory that became unwritable (disk full, read-only): where, and why
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"relayrl: error: cannot write {where}{exc.strerror or exc}; {resume}", file=sys.stderr)
         return 1
     _print_summary(summary)
     return 0

@@ -123,6 +123,9 @@ class EnvConfig(Strict):
     becomes the datasets' default task unless `data.*.default_task` is given; a row's reward is their weighted sum."""
     reward_weights: list[float] | None = None
     """One weight per reward function (in order); None weighs each 1.0."""
+    reward_timeout_s: PositiveFloat | None = 600.0
+    """Deadline for one reward function's call on a batch (on every executor): past it the run stops with one line
+    naming the function, never hangs. None: no deadline."""
 
     @model_validator(mode="after")
     def _reward_fn_paths(self) -> EnvConfig:

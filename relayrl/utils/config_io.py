@@ -216,7 +216,12 @@ def check_recorded_config(run_dir: Path, checkpoint_dir: Path) -> None:
     except ConfigError as exc:
         raise ConfigError(f"{exc}: {fix}") from None
     present = _flatten(raw)
-    missing = [k for k in _flatten(validate_config(raw).model_dump(mode="json")) if k not in present]
+    try:  # the checkpoint's copy was written with the same keys (a relayrl that knew fewer keys wrote both)
+        reference = _flatten(_read_yaml(saved[-1])) if saved else None
+    except (OSError, ConfigError):
+        reference = None
+    expected = reference or _flatten(validate_config(raw).model_dump(mode="json"))
+    missing = [k for k in expected if k not in present]
     if missing:
         raise ConfigError(
             f"{path} lacks {len(missing)} key(s) of the run's resolved config (first: {missing[0]}): it is truncated "
