@@ -183,10 +183,11 @@ def _write_failure(checkpointer: Checkpointer, step: int) -> Iterator[None]:
         yield
     except (WorkerDiedError, RemoteTimeoutError, ProducerDiedError):
         raise
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError: a write that failed
         root = Path(getattr(checkpointer, "checkpoint_dir", "."))
         where = getattr(exc, "filename", None) or root / f"tmp_step_{step}"
-        reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = (str(exc).strip().splitlines() or [""])[0]
+        reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {first}"
         try:
             free = f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
         except OSError:
