@@ -140,7 +140,7 @@ def _train(args: argparse.Namespace) -> int:
     resuming = recorded is not None and recorded.is_file()
     try:  # resuming: the run's own resolved config (unless --config names another), plus this command's overrides
         if run_dir is not None and not args.config:  # missing, unreadable or truncated: one line, never defaults
-            check_recorded_config(run_dir, _checkpoint_dir(load_config(None, args.overrides), run_dir))
+            check_recorded_config(run_dir, args.overrides)
         cfg = load_config(recorded if resuming and not args.config else args.config, args.overrides)
         base = load_config(recorded) if resuming else None
     except ConfigError as exc:
