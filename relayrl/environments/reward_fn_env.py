@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
-from relayrl.utils.deadline import DeadlineExceeded, call_with_deadline
-from relayrl.utils.signals import forced_stop
+from relayrl.utils.signals import DeadlineExceeded, call_with_deadline, forced_stop
 
 RewardFn = Callable[..., Sequence[float | None]]
 

@@ -1,5 +1,5 @@
-"""A deadline for user code that may never return (in place on the main thread, in a helper thread elsewhere), and a
-second Ctrl-C that ends the process within its clean-up deadline."""
+"""Signals and deadlines: user code that may never return meets its deadline (in place on the main thread, in a
+helper thread elsewhere), and a second Ctrl-C ends the process within its clean-up deadline."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from relayrl.utils.deadline import DeadlineExceeded, call_with_deadline
+from relayrl.utils.signals import DeadlineExceeded, call_with_deadline
 
 
 def test_a_result_passes_through_and_the_signal_handler_is_restored():
