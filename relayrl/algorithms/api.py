@@ -17,6 +17,7 @@ from typing import Any
 
 from relayrl.config import REWARD_FNS_TASK, MasterConfig, apply_environment_defaults
 from relayrl.utils.config_io import ConfigError, load_config, parse_override, set_override, validate_config
+from relayrl.utils.jsonl import read_jsonl
 
 ConfigLike = str | Path | Mapping[str, Any] | MasterConfig | None
 EnvironmentFactory = type | Mapping[str, type] | None
@@ -178,8 +179,8 @@ def last_metrics(path: Path) -> dict[str, float]:
     """The last value of every metric in a run's metrics.jsonl (rows of one step may be split across lines)."""
     out: dict[str, float] = {}
     if path.is_file():
-        for line in path.read_text().splitlines():
-            for key, value in json.loads(line).items():
+        for row in read_jsonl(path, warn=False):
+            for key, value in row.items():
                 if key != "step" and isinstance(value, int | float):
                     out[key] = float(value)
     return out

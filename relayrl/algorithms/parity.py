@@ -10,12 +10,12 @@ counters legitimately differ and are not compared.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TypedDict
 
 from relayrl.config import MasterConfig
+from relayrl.utils.jsonl import read_jsonl
 
 
 class ParityReport(TypedDict):
@@ -87,8 +87,7 @@ def _difference(x: object, y: object) -> float:
 
 def _per_step(run_dir: Path) -> dict[int, dict[str, object]]:
     out: dict[int, dict[str, object]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
         kept = {
             k: v
             for k, v in row.items()

@@ -10,8 +10,9 @@ recorded ones, and an override (a loss setting, say) shows its effect on exactly
 from __future__ import annotations
 
 import contextlib
-import json
 import math
+import os
+import shutil
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ from relayrl.data_plane.schema import (
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import encode_carry
 from relayrl.experience.flight_recorder import RecordRequest
+from relayrl.utils.checkpoint_read import read_checkpoint
 from relayrl.utils.config_io import load_config
+from relayrl.utils.jsonl import read_jsonl
 from relayrl.utils.timer import Timer
 
 #: Metrics that measure time, not training: never compared.
@@ -208,8 +211,7 @@ def _recorded_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     path = run_dir / "metrics.jsonl"
     if path.is_file():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+        for row in read_jsonl(path):
             out.setdefault(int(row.pop("step")), {}).update(row)
     return out
 
@@ -242,9 +244,7 @@ def replay_run(
         raise ValueError(f"the recorded steps hold {tables[0].num_rows} rows but this config trains on {rows} per step")
     (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     if source is not None:
-        link = out / "checkpoints" / source.name
-        if not link.exists():
-            link.symlink_to(source.resolve(), target_is_directory=True)
+        _take_checkpoint(source, out / "checkpoints" / source.name)
     c = setup(cfg, out)
     try:
         assert isinstance(c, DataPlaneComponents)  # replay_config turned the data plane on
@@ -274,6 +274,21 @@ def replay_run(
         c.close()
     legacy = any(table_info(t).get("trainer") == "legacy" for t in tables)
     return _compare(run_dir, out, steps, skip=_TIMED + (_BYTES if legacy else ()), legacy=legacy)
+
+
+def _take_checkpoint(source: Path, link: Path) -> None:
+    """The replay's own copy of the run's checkpoint `source`, verified against its manifest: hard links (so the
+    live run may prune it meanwhile), else a symbolic link. CheckpointError naming the damaged file."""
+    if link.exists():
+        return
+    with read_checkpoint(source) as view:
+        if view != source:
+            try:
+                shutil.copytree(view, link, copy_function=os.link)
+                return
+            except OSError:
+                shutil.rmtree(link, ignore_errors=True)
+        link.symlink_to(source.resolve(), target_is_directory=True)
 
 
 def _compare(run_dir: Path, out: Path, steps: list[int], skip: tuple[str, ...], legacy: bool) -> ReplayReport:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -198,10 +199,42 @@ def check_weights_written(tmp: Path, cfg: MasterConfig) -> None:
             where = tmp / model / part
             if not (where.is_dir() and any(where.glob(pattern))):
                 raise CheckpointIncompleteError(
-                    f"checkpoint step {tmp.name.removeprefix('tmp_step_')} was not published: {where} holds no {model} {part} as the "
-                    "driver sees it (rank 0 wrote them elsewhere): the run directory must be on storage that every "
+                    f"checkpoint step {tmp.name.removeprefix('tmp_step_')} was not published: {where} holds no "
+                    f"{model} {part} as the driver sees it (rank 0 wrote them elsewhere): the run directory must be on storage that every "
                     "node of the cluster shares"
                 )
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, read-only or vanished directory); the previous complete one
+    stays the resume point. One line naming the path."""
+
+
+@contextlib.contextmanager
+def _write_failure(checkpointer: Checkpointer, step: int) -> Iterator[None]:
+    """A failed checkpoint write: its temporary directory removed (space back), one `CheckpointWriteError` line.
+    A dead or stuck rank, or the async producer's failure, keep their own errors."""
+    from relayrl.algorithms.async_rollouts import ProducerDiedError
+    from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
+
+    try:
+        yield
+    except (WorkerDiedError, RemoteTimeoutError, ProducerDiedError, CheckpointIncompleteError):
+        raise
+    except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError: a write that failed
+        root = Path(getattr(checkpointer, "checkpoint_dir", "."))
+        where = getattr(exc, "filename", None) or root / f"tmp_step_{step}"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {first}"
+        try:
+            free = f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+        except OSError:
+            free = ""
+        shutil.rmtree(root / f"tmp_step_{step}", ignore_errors=True)
+        raise CheckpointWriteError(
+            f"the checkpoint of step {step} could not be written to {where} ({reason}{free}); the newest complete "
+            "checkpoint stays the resume point"
+        ) from exc
 
 
 class StepTail:
@@ -217,7 +250,7 @@ class StepTail:
         p = self.parts
         if not p.cfg.checkpointing.enabled:
             return False
-        with p.timer.time("checkpointing"):
+        with p.timer.time("checkpointing"), _write_failure(p.checkpointer, step):
             p.state.val_reward = float(val_metrics["accuracy"]) if val_metrics else None
             save_checkpoint(
                 checkpointer=p.checkpointer,

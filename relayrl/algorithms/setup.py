@@ -7,7 +7,6 @@ of the components (`components.py`).
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from relayrl.algorithms.protocols import (
     Generation,
     Tokenizer,
 )
+from relayrl.algorithms.resume import check_dataset, refuse_lost_checkpoints, schedule_config
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import REWARD_FNS_TASK, MasterConfig
 from relayrl.utils.checkpoint import (
@@ -38,8 +38,10 @@ from relayrl.utils.checkpoint import (
     load_data_plane,
     load_save_state,
 )
+from relayrl.utils.checkpoint_read import remove_stale_readers
 from relayrl.utils.config_io import dump_config
 from relayrl.utils.dir_lock import DirectoryInUseError, lock_run_directories
+from relayrl.utils.jsonl import read_jsonl
 from relayrl.utils.logger import Logger
 from relayrl.utils.paths import resolve_tokenizer_path
 from relayrl.utils.seeding import enable_determinism, restore_rng_state, set_seed
@@ -147,16 +149,28 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedW
     )
 
 
-def setup(cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None) -> LegacyComponents | DataPlaneComponents:
+@dataclass(frozen=True)
+class ResumeOptions:
+    """How a resume may depart from the run it continues (the CLI's --restart and --allow-inexact-resume)."""
+
+    restart: bool = False  # no intact checkpoint where there were some: start over instead of refusing
+    allow_inexact: bool = False  # the training set's contents changed since the checkpoint: resume anyway
+
+
+def setup(
+    cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None = None, resume: ResumeOptions = ResumeOptions()
+) -> LegacyComponents | DataPlaneComponents:
     """Seed, build data, policy (and critic for PPO), generation, environments, logger and checkpointer; restore
     state on resume. `inputs`: rows and reward functions given in Python. `DataPlaneComponents` when
     `data_plane.enabled`, else `LegacyComponents`."""
     if cfg.data_plane.enabled:  # rollout tensors go through the sample-keyed store, not the driver
-        return _setup(DataPlaneComponents, cfg, run_dir, inputs)
-    return _setup(LegacyComponents, cfg, run_dir, inputs)
+        return _setup(DataPlaneComponents, cfg, run_dir, inputs, resume)
+    return _setup(LegacyComponents, cfg, run_dir, inputs, resume)
 
 
-def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None) -> ComponentsT:
+def _setup(
+    kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: UserInputs | None, resume: ResumeOptions
+) -> ComponentsT:
     """`setup` for one kind of components: its classes build the policy and critic, typed with its Protocols."""
     from relayrl.algorithms.loss_functions import ClippedPGLossFn
     from relayrl.algorithms.value_loss import MseValueLossFn
@@ -202,8 +216,13 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
         )
     start_ray_for_run(cfg)
     checkpointer = CheckpointManager(cfg.checkpointing, checkpoint_dir)
+    remove_stale_readers(checkpoint_dir)
     last = checkpointer.get_latest_checkpoint_path()
+    if last is None:  # checkpoints there, none intact: never silently start over
+        refuse_lost_checkpoints(checkpointer, resume.restart, checkpointer.log)
     save_state = load_save_state(checkpointer.load_training_info(last) if last else None)
+    check_dataset(dataloader.dataset, save_state, last, resume.allow_inexact)
+    model_cfg = schedule_config(cfg, save_state, checkpointer.log)  # the LR horizon the run started with
     # Loader and RNG state are read (never unpickled) now, so a refused file fails the run before any model loads.
     loader_state: Any = load_state_file(last / DATALOADER_STATE) if last else None
     rng_state: Any = load_state_file(last / RNG_STATE) if last else None
@@ -213,9 +232,9 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
     # The reference model is always the *base* model (not the resumed weights), so a resumed run's KL equals an
     # uninterrupted run's; the checkpoint's weights and optimizer are loaded into the live policy afterwards.
     try:
-        policy = kind.build_policy(cfg, tokenizer)
+        policy = kind.build_policy(model_cfg, tokenizer)
     except Exception as exc:
-        if (err := _weights_error("policy.model_name", cfg.policy.model_name, exc)) is exc:
+        if (err := weights_error("policy.model_name", cfg.policy.model_name, exc)) is exc:
             raise
         raise err from exc
     if last is not None:
@@ -229,7 +248,7 @@ def _setup(kind: type[ComponentsT], cfg: MasterConfig, run_dir: Path, inputs: Us
             load_data_plane(data_plane_client_of(policy), last)
     value = None
     try:
-        value = kind.build_value(cfg, tokenizer, last) if cfg.algorithm == "ppo" else None
+        value = kind.build_value(model_cfg, tokenizer, last) if cfg.algorithm == "ppo" else None
         policy_generation = build_generation(cfg, tokenizer, policy, cfg.rollout.seed)
     except BaseException:
         if value is not None:
@@ -281,7 +300,7 @@ def run_banner(cfg: MasterConfig, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _weights_error(key: str, source: str, exc: Exception) -> Exception:
+def weights_error(key: str, source: str, exc: Exception) -> Exception:
     """A model directory whose weights cannot be read (truncated, corrupt, wrong shapes) is the user's input: one
     line naming the key; any other failure while building the model keeps its own type and traceback."""
     unreadable = type(exc).__name__ in ("SafetensorError", "HeaderTooLarge") or isinstance(exc, (OSError, EOFError))
@@ -337,13 +356,14 @@ def run_training(
     *,
     new_run_dir: bool = False,
     announce: bool = False,
+    resume: ResumeOptions = ResumeOptions(),
 ) -> dict[str, object]:
     """setup() then the trainer the config selects; returns a summary with validation accuracy before/after.
     A set-up that fails removes the run directory if this run made it (it did not exist, or `new_run_dir`: the
     caller created it empty for this run). `announce` prints `run_banner` once set-up succeeded."""
     existed = run_dir.exists() and not new_run_dir
     try:
-        c = setup(cfg, run_dir, inputs)
+        c = setup(cfg, run_dir, inputs, resume)
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, OSError) as exc:
         taken = isinstance(exc, DirectoryInUseError) and exc.directory == run_dir  # another live run's: keep it
         if not existed and not taken:
@@ -401,8 +421,7 @@ def summarize_run(run_dir: Path) -> dict[str, object]:
     accs: list[tuple[int, float]] = []
     path = run_dir / "metrics.jsonl"
     if path.is_file():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+        for row in read_jsonl(path, warn=False):
             if "validation/accuracy" in row:
                 accs.append((int(row["step"]), float(row["validation/accuracy"])))
     if not accs:

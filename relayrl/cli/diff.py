@@ -10,12 +10,12 @@ data moved, not what was trained, and with async GRPO they depend on when the pr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from relayrl.cli.common import fail
+from relayrl.utils.jsonl import JsonlError, read_jsonl
 
 EXIT_DIFFERENT = 1
 _SKIP_COLUMNS = ("sample_key", "tool_latency_s")  # keys and timings differ between equal runs
@@ -57,8 +57,7 @@ def load_metrics(run_dir: Path, *, include_transport: bool = True) -> dict[int, 
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
     out: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    for row in read_jsonl(path):
         step = int(row.pop("step"))
         kept = {k: v for k, v in row.items() if not is_timed(k) and (include_transport or not is_transport(k))}
         out.setdefault(step, {}).update(kept)
@@ -116,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         a = load_metrics(run_a, include_transport=args.include_transport)
         b = load_metrics(run_b, include_transport=args.include_transport)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, JsonlError) as exc:
         return fail(str(exc))
     common = sorted(set(a) & set(b))
     if not common:
@@ -136,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         cell = first_sample_divergence(run_a, run_b, step)
     except FileNotFoundError:
         print(f"  (no flight recording of step {step} in both runs: samples not compared)")
+        return EXIT_DIFFERENT
+    except ValueError as exc:  # a damaged recording (RecordingDamagedError names the file)
+        print(f"  ({exc}: samples not compared)")
         return EXIT_DIFFERENT
     if cell is None:
         print(f"  the recorded samples of step {step} are identical")

@@ -6,23 +6,28 @@ template included) and a `generation_config.json` with the run's sampling settin
 (base weights + B @ A * alpha / rank: exactly what its generation engine ran on) unless `--adapters`, which writes
 the `peft` adapter directory instead, its `base_model_name_or_path` pointing at the base model.
 
-Checkpoints are read, never locked or changed: a live run may keep training while one of its checkpoints is exported.
+Checkpoints are read, never locked or changed: a live run may keep training (and pruning) while one of its
+checkpoints is exported, which is read through verified hard links (`relayrl.utils.checkpoint_read`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from relayrl.utils.checkpoint import RUN_CONFIG, verify_checkpoint
+from relayrl.utils.checkpoint import RUN_CONFIG
+from relayrl.utils.checkpoint_read import published_steps, read_checkpoint, read_latest_checkpoint
+from relayrl.utils.state_file import CheckpointError
 
 EXIT_USAGE = 2
 
 
-class ExportError(ValueError):
+class ExportError(CheckpointError):
     """Input that cannot be exported (no run, no complete checkpoint, bad --out); one line."""
 
 
@@ -37,33 +42,42 @@ def add_parser(sub: Any) -> None:
     ex.set_defaults(handler=run)
 
 
-def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
-    """`run_dir`'s checkpoint at `step` (default: the newest complete one); `run_dir` may be a step_N itself."""
+@contextlib.contextmanager
+def open_checkpoint(run_dir: Path, step: int | None = None) -> Iterator[tuple[Path, Path]]:
+    """(published path, verified stable view) of `run_dir`'s checkpoint at `step` (default: the newest intact one;
+    `run_dir` may be a step_N itself); see `relayrl.utils.checkpoint_read`. ExportError naming the damaged file."""
     if not run_dir.is_dir():
         raise ExportError(f"run directory does not exist: {run_dir}")
     if (run_dir / "manifest.json").is_file():  # a step_N directory itself
         if step is not None:
             raise ExportError(f"{run_dir} is one checkpoint already; --step applies to a run directory")
-        problem = verify_checkpoint(run_dir)
-        if problem is not None:
-            raise ExportError(f"checkpoint {run_dir} is incomplete or damaged: {problem}")
-        return run_dir
+        with _refused(), read_checkpoint(run_dir) as view:
+            yield run_dir, view
+        return
     ckpt_dir = _checkpoint_dir(run_dir)
-    steps = sorted(
-        (int(p.name[5:]) for p in ckpt_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), reverse=True
-    )
     if step is not None:
+        steps = published_steps(ckpt_dir)
         if step not in steps:
             have = ", ".join(str(s) for s in sorted(steps)) or "none"
             raise ExportError(f"{ckpt_dir} has no step_{step} (checkpoints: {have}); pick one with --step")
-        problem = verify_checkpoint(ckpt_dir / f"step_{step}")
-        if problem is not None:
-            raise ExportError(f"checkpoint step_{step} is incomplete or damaged: {problem}")
-        return ckpt_dir / f"step_{step}"
-    for s in steps:
-        if verify_checkpoint(ckpt_dir / f"step_{s}") is None:
-            return ckpt_dir / f"step_{s}"
-    raise ExportError(f"{run_dir} has no complete checkpoint under {ckpt_dir}; train until one is saved")
+        with _refused(), read_checkpoint(ckpt_dir / f"step_{step}") as view:
+            yield ckpt_dir / f"step_{step}", view
+        return
+    skipped: list[str] = []
+    with _refused(), read_latest_checkpoint(ckpt_dir, skipped) as view:
+        for line in skipped:
+            print(f"relayrl: {line}", file=sys.stderr)
+        yield ckpt_dir / view.name, view
+
+
+@contextlib.contextmanager
+def _refused() -> Iterator[None]:
+    try:
+        yield
+    except CheckpointError as exc:
+        if isinstance(exc, ExportError):
+            raise
+        raise ExportError(str(exc)) from None
 
 
 def _checkpoint_dir(run_dir: Path) -> Path:
@@ -80,9 +94,15 @@ def _checkpoint_dir(run_dir: Path) -> Path:
 
 def export_checkpoint(run_dir: Path, out: Path, *, step: int | None = None, adapters: bool = False) -> Path:
     """Write the checkpoint (see `find_checkpoint`) as a Hugging Face directory at `out`; returns the checkpoint."""
-    checkpoint = find_checkpoint(run_dir, step)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty directory; choose a new one")
+    with open_checkpoint(run_dir, step) as (published, checkpoint):
+        _export(checkpoint, out, adapters)
+    return published
+
+
+def _export(checkpoint: Path, out: Path, adapters: bool) -> None:
+    """Write the (verified, stable) checkpoint directory `checkpoint` as a Hugging Face directory at `out`."""
     from relayrl.utils.config_io import ConfigError, load_config
 
     config_file = checkpoint / RUN_CONFIG
@@ -115,7 +135,6 @@ def export_checkpoint(run_dir: Path, out: Path, *, step: int | None = None, adap
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    return checkpoint
 
 
 def _tokenizer(checkpoint: Path, cfg: Any) -> Any:
@@ -221,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = export_checkpoint(Path(args.run_dir), out, step=args.step, adapters=args.adapters)
     except (ExportError, FileNotFoundError, ValueError) as exc:
         print(f"relayrl: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # --out on a read-only or full file system: where, and why
+        print(f"relayrl: error: cannot write {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     kind = "LoRA adapters" if args.adapters else "model"
     print(f"exported {checkpoint} as a Hugging Face {kind} directory: {out}")

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     try:
         table = read_step(run_dir / ROLLOUTS_DIR, args.step)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # not recorded, or damaged (RecordingDamagedError names it)
         return fail(str(exc))
     rows, source = step_samples(table, args.tokens)
     if args.worst is not None or args.best is not None:

@@ -7,6 +7,7 @@ never a traceback; heavy imports happen only after the arguments and the config 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -19,10 +20,11 @@ from relayrl.cli import export_rollouts as export_rollouts_cli
 from relayrl.cli import inspect_run as inspect_cli
 from relayrl.cli import replay as replay_cli
 from relayrl.config import MasterConfig
-from relayrl.utils.config_io import ConfigError, classify_resume_changes, load_config
+from relayrl.utils.config_io import ConfigError, check_recorded_config, classify_resume_changes, load_config
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, KeyError)
 EXIT_USAGE = 2
+FORCED_EXIT_S = 5.0  # after a second Ctrl-C, the longest clean-up before the process exits regardless
 
 
 def _fail(message: str) -> int:
@@ -48,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-inexact-resume",
         action="store_true",
         help="resume a run whose config changed in a way that breaks exactness (model, data, batch shape, seed, ...)",
+    )
+    t.add_argument(
+        "--restart",
+        action="store_true",
+        help="train the run again from step 1 when none of its checkpoints is intact (instead of refusing)",
     )
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.num_prompts_per_step=8")
 
@@ -133,6 +140,8 @@ def _train(args: argparse.Namespace) -> int:
     recorded = run_dir / "config.yaml" if run_dir is not None else None
     resuming = recorded is not None and recorded.is_file()
     try:  # resuming: the run's own resolved config (unless --config names another), plus this command's overrides
+        if run_dir is not None and not args.config:  # missing, unreadable or truncated: one line, never defaults
+            check_recorded_config(run_dir, args.overrides)
         cfg = load_config(recorded if resuming and not args.config else args.config, args.overrides)
         base = load_config(recorded) if resuming else None
     except ConfigError as exc:
@@ -144,6 +153,8 @@ def _train(args: argparse.Namespace) -> int:
         _held = lock_run_directories(run_dir, ckpt_dir, create=False)
     except DirectoryInUseError as exc:
         return _fail(str(exc))
+    except OSError as exc:  # a read-only run directory: nothing can be written there
+        return _fail(f"cannot write in {exc.filename or run_dir}: {exc.strerror or exc}")
     fresh = run_dir is None
     if run_dir is None:
         run_dir = next_run_dir(cfg.logger.log_dir)
@@ -152,18 +163,20 @@ def _train(args: argparse.Namespace) -> int:
         if problem:
             return _fail(problem)
     from relayrl.algorithms.async_rollouts import ProducerDiedError
-    from relayrl.algorithms.runner import CheckpointIncompleteError
-    from relayrl.algorithms.setup import SetupError, run_training
+    from relayrl.algorithms.runner import CheckpointIncompleteError, CheckpointWriteError
+    from relayrl.algorithms.setup import ResumeOptions, SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.data_plane.interfaces import DataPlaneClosedError
     from relayrl.distributed.errors import ActorLostError, RemoteTimeoutError, WorkerDiedError
     from relayrl.environments.reward_fn_env import RewardFunctionError
     from relayrl.environments.tool_env import EnvironmentClassError
-    from relayrl.utils.signals import TrainingInterrupted, exit_code
+    from relayrl.utils.signals import TrainingInterrupted, exit_code, set_forced_exit_deadline
 
     resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
+    set_forced_exit_deadline(FORCED_EXIT_S, resume)  # a second Ctrl-C ends this process within seconds, whatever hangs
     try:
-        summary = run_training(cfg, run_dir, new_run_dir=fresh, announce=True)
+        options = ResumeOptions(restart=args.restart, allow_inexact=args.allow_inexact_resume)
+        summary = run_training(cfg, run_dir, new_run_dir=fresh, announce=True, resume=options)
     except SetupError as exc:
         return _fail(str(exc))
     except RewardFunctionError as exc:  # the user's reward function: one line naming it and the row
@@ -180,6 +193,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: out at once
         print(f"relayrl: interrupted; {resume}", file=sys.stderr)
         return exit_code(2)
+    except CheckpointWriteError as exc:  # disk full, read-only: the previous checkpoint is intact
+        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        return 1
     except NonFiniteError as exc:  # stopped before the bad step changed any weight
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
@@ -201,6 +217,10 @@ def _train(args: argparse.Namespace) -> int:
         reason = found[-1] if found else (lines[0] if lines else type(exc).__name__)
         print(f"relayrl: error: {reason}; {resume}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a run directory that became unwritable (disk full, read-only): where, and why
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"relayrl: error: cannot write {where}{exc.strerror or exc}; {resume}", file=sys.stderr)
+        return 1
     _print_summary(summary)
     return 0
 
@@ -209,8 +229,7 @@ def _check_resume(recorded: MasterConfig, cfg: MasterConfig, run_dir: Path, allo
     """Changes against the config a run was checkpointed with: safe ones are printed and applied; ones that break
     exactness need --allow-inexact-resume; optimizer/scheduler changes are refused (the checkpoint's optimizer and
     scheduler state would overwrite them). Returns the one-line refusal, or None."""
-    ckpt_dir = Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
-    if not any(p.name.startswith("step_") for p in ckpt_dir.glob("step_*")):
+    if not any(_checkpoint_dir(cfg, run_dir).glob("step_*")):
         return None  # nothing to resume from: the run starts over with the new config
     safe, inexact, restored = classify_resume_changes(recorded, cfg)
     if restored:
@@ -235,6 +254,10 @@ def _check_resume(recorded: MasterConfig, cfg: MasterConfig, run_dir: Path, allo
     return None
 
 
+def _checkpoint_dir(cfg: MasterConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+
+
 def _print_summary(summary: dict) -> None:
     print(f"run directory: {summary['run_dir']}")
     if "first_validation" in summary:
@@ -246,20 +269,38 @@ def _print_summary(summary: dict) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from relayrl.utils.checkpoint import MANIFEST
+    from relayrl.utils.checkpoint_read import read_checkpoint
+    from relayrl.utils.state_file import CheckpointError
+
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
         return _fail(f"checkpoint directory does not exist: {ckpt}")
+    try:  # a run's step_N: read through its verified, stable view (a live run may prune it); else a model directory
+        with read_checkpoint(ckpt) if (ckpt / MANIFEST).is_file() else contextlib.nullcontext(ckpt) as view:
+            return _evaluate_dir(args, ckpt, view)
+    except CheckpointError as exc:
+        return _fail(str(exc))
+
+
+def _evaluate_dir(args: argparse.Namespace, ckpt: Path, view: Path) -> int:
     try:
-        config_path = args.config or (ckpt / "config.yaml" if (ckpt / "config.yaml").is_file() else None)
+        config_path = args.config or (view / "config.yaml" if (view / "config.yaml").is_file() else None)
         cfg = load_config(config_path, args.overrides)
     except ConfigError as exc:
         return _fail(str(exc))
     from relayrl.algorithms.evaluate import evaluate_checkpoint
+    from relayrl.algorithms.setup import weights_error
 
     try:
-        metrics = evaluate_checkpoint(cfg, ckpt)
+        metrics = evaluate_checkpoint(cfg, view)
     except USER_ERRORS as exc:
         return _fail(str(exc).strip("'\""))
+    except Exception as exc:  # unreadable weights (a truncated model directory): one line naming it
+        if (err := weights_error("--checkpoint", str(ckpt), exc)) is exc:
+            raise
+        return _fail(str(err))
+    metrics["checkpoint"] = str(ckpt)
     print(json.dumps(metrics))
     return 0
 
@@ -301,6 +342,10 @@ def _plot(args: argparse.Namespace) -> int:
         out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc))
+    except OSError as exc:  # a read-only run directory, a full disk: where it could not write, and the way out
+        return _fail(
+            f"cannot write {exc.filename or args.out}: {exc.strerror or exc}; pass --out PATH to write elsewhere"
+        )
     print(out)
     return 0
 

@@ -165,6 +165,9 @@ class EnvConfig(Strict):
     """What a served environment's failure (lost or refused connection, no reply within its timeout) does: `fail`
     ends the run with one line; `count` ends that episode (reward 0 from the environment) and counts it
     (`env/server_errors`)."""
+    reward_timeout_s: PositiveFloat | None = 600.0
+    """Deadline for one reward function's call on a batch (on every executor): past it the run stops with one line
+    naming the function, never hangs. None: no deadline."""
 
     @model_validator(mode="after")
     def _reward_fn_paths(self) -> EnvConfig:

@@ -116,7 +116,7 @@ def write_step(
     out = step_path(rollouts_dir, step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)  # readers verify every page
     os.replace(tmp, out)
     for old in recorded_steps(rollouts_dir)[:-keep_last]:
         step_path(rollouts_dir, old).unlink(missing_ok=True)
@@ -135,7 +135,15 @@ def read_step(rollouts_dir: str | Path, step: int) -> Any:
             f"no flight recording of step {step} in {rollouts_dir} (it holds {span}); record it with "
             "logger.flight_recorder.enabled=true, every_n_steps=1 and a keep_last that covers it"
         )
-    return pq.read_table(path)
+    try:  # the footer, every page's CRC and its decompression: a damaged file is one line naming it
+        return pq.read_table(path, page_checksum_verification=True)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RecordingDamagedError(f"flight recording {path} is damaged or truncated ({first})") from None
+
+
+class RecordingDamagedError(ValueError):
+    """A flight recording file that cannot be read back (truncated, corrupted); the message names it."""
 
 
 def table_info(table: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def build_reward_fn_env(
         raise ValueError(
             f"env.reward_weights has {len(weights)} weights for {len(fns)} reward functions; give one each"
         )
-    return RewardFunctionEnvironment(fns, weights)
+    return RewardFunctionEnvironment(fns, weights, timeout_s=cfg.reward_timeout_s)
 
 
 #: Environment classes handed to `relayrl.train(environment_factory=...)`: one class, or {name: class}.

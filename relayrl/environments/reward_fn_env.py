@@ -8,7 +8,10 @@ function's batch mean is reported as `reward/<name>`, and each row's values go b
 `reward_components` (recorded by the flight recorder).
 
 A function that raises ends the run with `RewardFunctionError`, one line naming the function and the dataset row:
-the batch is re-scored row by row to find the first row that fails, so the line points at real data.
+the batch is re-scored row by row to find the first row that fails, so the line points at real data. Exiting
+(`sys.exit`, `SystemExit`, a `KeyboardInterrupt` the function raised itself) is such a failure too, and so is a call
+that outlives `env.reward_timeout_s`. A NaN value is a non-finite reward like inf (the trainer's `non_finite` policy
+applies); None is "does not apply to this row" and counts 0.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog
+from relayrl.utils.signals import DeadlineExceeded, call_with_deadline, forced_stop
 
 RewardFn = Callable[..., Sequence[float | None]]
 
@@ -90,13 +94,16 @@ def named_reward_fns(fns: Sequence[RewardFn]) -> list[tuple[str, RewardFn]]:
 class RewardFunctionEnvironment(EnvironmentInterface):
     """Single-turn scoring by a weighted sum of reward functions; every row terminates after one answer."""
 
-    def __init__(self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None) -> None:
+    def __init__(
+        self, fns: Sequence[RewardFn], weights: Sequence[float] | None = None, timeout_s: float | None = None
+    ) -> None:
         if not fns:
             raise ValueError("task 'reward_fns' needs at least one reward function (env.reward_fns or reward_fns=)")
         self.fns = named_reward_fns(fns)
         if weights is not None and len(weights) != len(self.fns):
             raise ValueError(f"{len(weights)} reward weights for {len(self.fns)} reward functions; give one each")
         self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(self.fns)
+        self.timeout_s = timeout_s  # per function call on a batch (env.reward_timeout_s)
         self._sums = {name: 0.0 for name, _ in self.fns}  # per function: sum and count of its values since
         self._counts = {name: 0 for name, _ in self.fns}  # the last `rollout_metrics`
 
@@ -118,12 +125,13 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         for (name, fn), weight in zip(self.fns, self.weights):
             values = self._call(name, fn, prompts, completions, columns, metas)
             for row, v in zip(components, values):
-                row[name] = None if math.isnan(v) else v
+                row[name] = v
             for v in values:
-                if not math.isnan(v):
+                if v is not None and not math.isnan(v):
                     self._sums[name] += v
                     self._counts[name] += 1
-            total += weight * torch.tensor(values, dtype=torch.float64).nan_to_num(nan=0.0)  # [B]
+            # None counts 0; NaN stays NaN, so the trainer's non-finite guard sees it (as it sees inf)
+            total += weight * torch.tensor([0.0 if v is None else v for v in values], dtype=torch.float64)  # [B]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": f"Reward: {r:.3f}"} for r in total.tolist()],
             # each function's value rides with the row (the flight recorder's env_metadata, `relayrl inspect`)
@@ -141,18 +149,40 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         completions: list[str],
         columns: dict[str, list[Any]],
         metas: list[dict[str, Any]],
-    ) -> list[float]:
-        """One function's values (None -> NaN) for the batch; a failure is located to its first failing row."""
+    ) -> list[float | None]:
+        """One function's values for the batch; a failure is located to its first failing row."""
         n = len(completions)
         try:
-            values = _check_values(fn(prompts, completions, **columns), n)
-        except Exception as exc:
-            row = _failing_row(fn, prompts, completions, columns)
-            where = _row_label(metas[row], row) if row is not None else f"a batch of {n} rows"
+            values = _check_values(call_with_deadline(lambda: fn(prompts, completions, **columns), self.timeout_s), n)
+        except DeadlineExceeded:
             raise RewardFunctionError(
-                f"reward function {name!r} failed on {where}: {type(exc).__name__}: {_first_line(exc)}"
-            ) from exc
+                f"reward function {name!r} did not return within env.reward_timeout_s={self.timeout_s:g} s on a batch "
+                f"of {n} rows (from {_row_label(metas[0], 0) if metas else 'no row'}); fix it, or raise the deadline"
+            ) from None
+        except _FAILURES as exc:
+            if isinstance(exc, KeyboardInterrupt) and forced_stop():
+                raise  # the user's second Ctrl-C, not the function's failure
+            row = self._failing_row(fn, prompts, completions, columns)
+            where = _row_label(metas[row], row) if row is not None else f"a batch of {n} rows"
+            raise RewardFunctionError(f"reward function {name!r} failed on {where}: {_describe(exc)}") from exc
         return values
+
+    def _failing_row(
+        self, fn: RewardFn, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]
+    ) -> int | None:
+        """The first row on which `fn`, called on that row alone, raises or returns something unusable."""
+        for i in range(len(completions)):
+            try:
+                row = {k: [v[i]] for k, v in columns.items()}
+                one = call_with_deadline(lambda i=i, row=row: fn([prompts[i]], [completions[i]], **row), self.timeout_s)
+                _check_values(one, 1)
+            except DeadlineExceeded:
+                return i
+            except _FAILURES as exc:
+                if isinstance(exc, KeyboardInterrupt) and forced_stop():
+                    raise
+                return i
+        return None
 
     def rollout_metrics(self) -> dict[str, float]:
         """`reward/<name>`: each function's mean value over the rows scored since the last call (then reset)."""
@@ -168,8 +198,13 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         return batch, {"reward_mean": rewards.float().mean().item() if n else 0.0, "num_problems_in_batch": n}
 
 
-def _check_values(values: Any, n: int) -> list[float]:
-    """A function's return as floats (None -> NaN); anything but one number (or None) per row is an error."""
+#: What a reward function's call may end with that is its own failure (exiting included), not the process's.
+_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
+
+
+def _check_values(values: Any, n: int) -> list[float | None]:
+    """A function's return as floats (None kept: "does not apply"); anything but one number (or None) per row is an
+    error."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     try:
@@ -178,10 +213,10 @@ def _check_values(values: Any, n: int) -> list[float]:
         raise TypeError(f"returned {type(values).__name__}, not a list of {n} floats") from None
     if len(values) != n:
         raise ValueError(f"returned {len(values)} values for {n} completions")
-    out = []
+    out: list[float | None] = []
     for v in values:
         if v is None:
-            out.append(math.nan)
+            out.append(None)
         elif not isinstance(v, int | float) and not hasattr(v, "__float__"):
             raise TypeError(f"returned a {type(v).__name__} ({v!r}) where a float was expected")
         else:
@@ -189,14 +224,13 @@ def _check_values(values: Any, n: int) -> list[float]:
     return out
 
 
-def _failing_row(fn: RewardFn, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]]) -> int | None:
-    """The first row on which `fn`, called on that row alone, raises or returns something unusable."""
-    for i in range(len(completions)):
-        try:
-            _check_values(fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()}), 1)
-        except Exception:
-            return i
-    return None
+def _describe(exc: BaseException) -> str:
+    """`Type: first line`; an exit says so, with its code."""
+    if isinstance(exc, SystemExit):
+        return f"it exited (SystemExit, code {exc.code!r}); a reward function must return its values"
+    if isinstance(exc, KeyboardInterrupt):
+        return "it raised KeyboardInterrupt"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 def _row_label(meta: dict[str, Any], i: int) -> str:

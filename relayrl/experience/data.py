@@ -55,8 +55,15 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
         return pq.read_table(path).to_pylist()
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path} line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -153,13 +160,23 @@ def records_from_rows(
                 pairs.append((m["role"], m["content"]))
             records.append(PromptRecord(answer=answer, task=task, messages=tuple(pairs), **extra))
         elif (prompt := field_value(row, cfg.prompt_field)) is not None:
-            records.append(PromptRecord(answer=answer, task=task, prompt=str(prompt), **extra))
+            if not isinstance(prompt, str):  # bytes, lists, numbers: their text form is not the prompt
+                raise ValueError(
+                    f"dataset {source} row {n}: prompt field {cfg.prompt_field!r} holds {type(prompt).__name__} "
+                    f"({_short(prompt)}), not text; store prompts as strings (or chats in {cfg.messages_field!r})"
+                )
+            records.append(PromptRecord(answer=answer, task=task, prompt=prompt, **extra))
         else:
             raise ValueError(
                 f"dataset {source} row {n}: has neither prompt field {cfg.prompt_field!r} "
                 f"nor messages field {cfg.messages_field!r}"
             )
     return records
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def field_value(row: dict[str, Any], name: str) -> Any:
@@ -311,6 +328,10 @@ class PromptDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def fingerprint_items(self) -> list[str]:
+        """Each row as its rendered prompt, task and answer: what a resume compares with its checkpoint's data."""
+        return [f"{text}\0{rec.task}\0{rec.answer}" for text, _, rec in self._items]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         rendered, ids, rec = self._items[i]

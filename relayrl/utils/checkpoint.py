@@ -40,9 +40,7 @@ import yaml
 
 from relayrl.config import CheckpointingConfig
 from relayrl.utils.dir_lock import LOCK_FILE, DirectoryInUseError, acquire_dir_lock
-from relayrl.utils.state_file import (
-    CheckpointError,
-)
+from relayrl.utils.state_file import CheckpointError
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^tmp_step_(\d+)$")
@@ -79,6 +77,9 @@ class GRPOSaveState:
     total_valid_tokens: int = 0
     val_reward: float | None = -99999999.0
     sampler_name: str | None = None
+    schedule_steps: int | None = None  # max_num_steps the LR horizon was built from (kept on resume)
+    train_rows: int | None = None  # the training set the run trains on: a resume on other data is refused
+    train_data_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -196,6 +196,54 @@ def classify_resume_changes(
     return safe, inexact, restored
 
 
+def check_recorded_config(run_dir: Path, overrides: Sequence[str] = ()) -> None:
+    """A run directory's `config.yaml` is what a resume continues with: ConfigError (one line) when it is missing
+    while the run has checkpoints (the defaults would train instead), or when it lacks keys of a resolved config
+    (truncated or edited: the missing keys would silently take their defaults). Never rewrites it."""
+    path = run_dir / "config.yaml"
+    checkpoint_dir = _recorded_checkpoint_dir(run_dir, overrides)
+    saved = sorted(checkpoint_dir.glob("step_*/config.yaml"), key=lambda p: (len(p.parent.name), p.parent.name))
+    fix = f"restore it (cp {saved[-1]} {path}) or name the run's config with --config" if saved else "restore it"
+    if not path.is_file():
+        if saved or (checkpoint_dir / "latest_checkpoint_status.json").is_file():
+            raise ConfigError(
+                f"{path} is missing but {checkpoint_dir} holds the run's checkpoints, which it describes; resuming "
+                f"without it would train with the default config: {fix}"
+            )
+        return
+    try:
+        raw = _read_yaml(path)
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): {fix}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}: {fix}") from None
+    present = _flatten(raw)
+    try:  # the checkpoint's copy was written with the same keys (a relayrl that knew fewer keys wrote both)
+        reference = _flatten(_read_yaml(saved[-1])) if saved else None
+    except (OSError, ConfigError):
+        reference = None
+    expected = reference or _flatten(validate_config(raw).model_dump(mode="json"))
+    missing = [k for k in expected if k not in present]
+    if missing:
+        raise ConfigError(
+            f"{path} lacks {len(missing)} key(s) of the run's resolved config (first: {missing[0]}): it is truncated "
+            f"or was edited, and the missing keys would silently take their defaults; {fix}"
+        )
+
+
+def _recorded_checkpoint_dir(run_dir: Path, overrides: Sequence[str]) -> Path:
+    """Where a run directory's checkpoints are: the overrides' checkpointing.checkpoint_dir, else its config's (read
+    as it is, however damaged), else RUN_DIR/checkpoints."""
+    for key, value in reversed([parse_override(item) for item in overrides]):
+        if key == "checkpointing.checkpoint_dir" and value:
+            return Path(str(value))
+    try:
+        value = yaml.safe_load((run_dir / "config.yaml").read_text())["checkpointing"]["checkpoint_dir"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        value = None
+    return Path(str(value)) if value else run_dir / "checkpoints"
+
+
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in tree.items():

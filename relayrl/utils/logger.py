@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from relayrl.config import LoggerConfig
 from relayrl.utils.checkpoint import to_plain
+from relayrl.utils.jsonl import repair_tail
 
 REWARD_KEY = "train/reward"
 ACCURACY_KEY = "validation/accuracy"
@@ -84,6 +85,7 @@ class Logger:
         # Import the optional backends first, so a missing extra fails before any file or run is created.
         wandb = _require("wandb", "wandb") if cfg.wandb_enabled else None
         mlflow = _require("mlflow", "mlflow") if cfg.mlflow_enabled else None
+        repair_tail(self.run_dir / "metrics.jsonl")  # a crash mid-append left a partial line: the next row starts anew
         self._metrics_file: TextIO | None = open(self.run_dir / "metrics.jsonl", "a")  # appended on resume
         self._jsonl_files: dict[str, TextIO] = {}
         self._skipped_warned: set[str] = set()
@@ -176,6 +178,7 @@ class Logger:
         f = self._jsonl_files.pop(filename, None)
         if f is None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            repair_tail(path)
             f = open(path, "a")
             if len(self._jsonl_files) >= _MAX_OPEN_JSONL:  # one-shot files (val_data_stepN) must not pile up
                 oldest = next(iter(self._jsonl_files))

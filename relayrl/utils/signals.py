@@ -4,17 +4,75 @@ second one interrupts at once.
 A run killed mid-step loses everything since its last periodic checkpoint; a run told to stop between steps loses
 nothing, and its checkpoint resumes exactly. Only the main thread can own signal handlers, so elsewhere (a run
 started from a worker thread) this is a no-op and the default behaviour stays.
+
+The second signal raises KeyboardInterrupt in the main thread, wherever it waits (a reward function that never
+returns, the async producer, a generation process). A process that owns its exit (the CLI, through
+`set_forced_exit_deadline`) is also guaranteed to end: if the clean-up after that second signal takes longer than
+the deadline (a wedged thread or child it waits for), it exits there with one line.
+
+`call_with_deadline`: a deadline for a call into user code (a reward function) that may never return.
+
+On the main thread the call runs in place (user code that relies on the main thread keeps working: math-verify's
+timeouts use SIGALRM there) and a timer thread sends SIGUSR2 to the main thread when the deadline passes; the handler
+raises `DeadlineExceeded`, a BaseException so that the user's own `except Exception` cannot swallow it. This
+interrupts Python code and blocking system calls (sleep, I/O, locks), not a C extension that never returns to the
+interpreter. Elsewhere (the async producer's thread, which cannot receive signals) the call runs in a daemon helper
+thread that is abandoned on expiry; the caller carries on and the process can exit.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
+from typing import Any, TypeVar
 
-__all__ = ["GracefulStop", "TrainingInterrupted", "exit_code"]
+__all__ = [
+    "DeadlineExceeded",
+    "GracefulStop",
+    "TrainingInterrupted",
+    "call_with_deadline",
+    "exit_code",
+    "forced_stop",
+    "set_forced_exit_deadline",
+]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_FORCED = threading.Event()  # a second signal arrived: stop now, whatever is running
+_EXIT_DEADLINE: list[tuple[float, str] | None] = [None]
+
+
+def forced_stop() -> bool:
+    """True once a second SIGINT / SIGTERM asked to stop at once: a KeyboardInterrupt then is the user's, not code's."""
+    return _FORCED.is_set()
+
+
+def set_forced_exit_deadline(seconds: float | None, note: str = "") -> None:
+    """After a second signal, end the process at the latest `seconds` later, printing `note` at the end of its one
+    line (None: never force; the default, for library use inside another program)."""
+    _EXIT_DEADLINE[0] = None if seconds is None else (seconds, note)
+
+
+def _arm_exit(signum: int) -> None:
+    if _EXIT_DEADLINE[0] is None:
+        return
+    deadline, note = _EXIT_DEADLINE[0]
+
+    def force() -> None:
+        for child in multiprocessing.active_children():  # a generation process: never left orphaned
+            child.kill()
+        tail = f"; {note}" if note else ""
+        print(f"relayrl: interrupted (clean-up did not finish within {deadline:g} s){tail}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(exit_code(signum))
+
+    timer = threading.Timer(deadline, force)
+    timer.daemon = True
+    timer.start()
 
 
 class TrainingInterrupted(Exception):
@@ -41,6 +99,7 @@ class GracefulStop:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> GracefulStop:
+        _FORCED.clear()
         if threading.current_thread() is threading.main_thread():
             for sig in _SIGNALS:
                 self._previous[sig] = signal.getsignal(sig)
@@ -56,7 +115,82 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is not None:  # the second signal: stop now
+            _FORCED.set()
+            _arm_exit(signum)
             raise KeyboardInterrupt
         self.requested = signum
         if self._notice:
             print(self._notice, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- deadlines
+T = TypeVar("T")
+_SIGNAL = signal.SIGUSR2
+
+
+class DeadlineExceeded(BaseException):
+    """The call did not return within its deadline (raised in the caller, never inside other code)."""
+
+
+def call_with_deadline(fn: Callable[[], T], timeout_s: float | None) -> T:
+    """`fn()`, or `DeadlineExceeded` when it runs longer than `timeout_s` seconds (None: no deadline)."""
+    if timeout_s is None:
+        return fn()
+    if threading.current_thread() is threading.main_thread():
+        return _in_main_thread(fn, timeout_s)
+    return _in_helper_thread(fn, timeout_s)
+
+
+def _in_main_thread(fn: Callable[[], T], timeout_s: float) -> T:
+    state = {"active": True, "expired": False}
+    lock = threading.Lock()  # the timer sends its signal only while the call is still running
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def expire() -> None:
+        with lock:
+            if state["active"]:
+                state["expired"] = True
+                signal.pthread_kill(main, _SIGNAL)
+
+    def handler(signum: int, frame: Any) -> None:
+        if state["active"] and state["expired"]:
+            state["active"] = False
+            raise DeadlineExceeded
+
+    try:
+        previous = signal.signal(_SIGNAL, handler)
+    except ValueError:  # not the main interpreter: signals cannot be used
+        return _in_helper_thread(fn, timeout_s)
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        return fn()
+    finally:
+        with lock:
+            state["active"] = False
+        timer.cancel()
+        # a signal sent just before is handled (and ignored) by our handler, which stays until the interpreter has
+        # run its pending handlers: one no-op call lets it do so
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        signal.signal(_SIGNAL, previous)
+
+
+def _in_helper_thread(fn: Callable[[], T], timeout_s: float) -> T:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="relayrl-deadline-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise DeadlineExceeded
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
