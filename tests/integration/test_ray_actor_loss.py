@@ -88,7 +88,8 @@ def test_a_dead_actor_ends_the_run_with_one_line(
     assert code == 1 and "Traceback" not in err, err[-3000:]
     assert len(lines) == 1 and named in lines[0], lines
     assert lines[0].endswith(f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint")
+    # nothing lost: step 1's checkpoint is complete, the resume point (resuming after a lost Ray process is
+    # tests/integration/test_ray_kill_resume.py's)
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
-    if title == b"ray::StoreActor":  # the next start on the same cluster gets a store of its own and finishes
-        assert main(["train", "--run-dir", str(run_dir)]) == 0
-        assert sorted(metrics_by_step(run_dir, ("train/",))) == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "step_1" / "policy" / "weights" / "model.safetensors").is_file()
+    assert sorted(metrics_by_step(run_dir, ("train/",))) == [1]
