@@ -32,6 +32,7 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, TRAIN_CONSUMER_TASKS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.utils import deadlines
 
 __all__ = [
     "CLAIM_TASK",
@@ -158,7 +159,7 @@ class RolloutProducer:
     def paused(self) -> Iterator[None]:
         """Hold the engine's workers between batches (validation on the same workers): a batch in progress finishes
         first, and the producer refits again before its next one."""
-        with self._engine_lock:
+        with deadlines.held(self._engine_lock, "pausing the rollout producer (its batch in progress)"):
             try:
                 yield
             finally:
@@ -180,7 +181,11 @@ class RolloutProducer:
         """Wait for batch `index` and hand it over (it leaves the producer's books; the step owns its keys)."""
         with self._cond:
             self._wanted = index  # an optional `after_rollout` is left to the trainer while it waits
-            self._cond.wait_for(lambda: index in self._ready or self._error is not None or self._done)
+            deadlines.wait_for(
+                self._cond,
+                lambda: index in self._ready or self._error is not None or self._done,
+                f"the trainer's wait for batch {index} from the rollout producer",
+            )
             self._wanted = None
             if index not in self._ready:
                 self._raise_died(f"batch {index} was never produced")
@@ -189,7 +194,11 @@ class RolloutProducer:
     def next_announcement(self) -> tuple[int, int | None, BatchedDataDict] | None:
         """The next drawn batch `(epoch, index, prompts)` or epoch end `(epoch, None, _)`; None once production ended."""
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._announced) or self._error is not None or self._done)
+            deadlines.wait_for(
+                self._cond,
+                lambda: bool(self._announced) or self._error is not None or self._done,
+                f"the trainer's wait for the rollout producer's next batch of prompts (after batch {self._next_index - 1})",
+            )
             if self._announced:
                 return self._announced.popleft()
             if self._error is not None:
@@ -199,12 +208,14 @@ class RolloutProducer:
     def drain(self) -> None:
         """Wait until the producer has generated everything the published weights allow (a checkpoint's moment)."""
         with self._cond:
-            self._cond.wait_for(
+            deadlines.wait_for(
+                self._cond,
                 lambda: (
                     self._done
                     or self._error is not None
                     or (self._waiting_for is not None and self._waiting_for > self._latest)
-                )
+                ),
+                f"draining the rollout producer for a checkpoint (weights version {self._latest})",
             )
             if self._error is not None:
                 self._raise_died("while draining for a checkpoint")
@@ -230,7 +241,7 @@ class RolloutProducer:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        deadlines.join(self._thread, "stopping the rollout producer (joining its thread)")
         with self._cond:
             left = [self._ready[i] for i in sorted(self._ready)]
             self._ready.clear()

@@ -215,11 +215,12 @@ def _write_failure(checkpointer: Checkpointer, step: int) -> Iterator[None]:
     """A failed checkpoint write: its temporary directory removed (space back), one `CheckpointWriteError` line.
     A dead or stuck rank, or the async producer's failure, keep their own errors."""
     from relayrl.algorithms.async_rollouts import ProducerDiedError
-    from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
+    from relayrl.distributed.errors import WorkerDiedError
+    from relayrl.utils.deadlines import DeadlineError
 
     try:
         yield
-    except (WorkerDiedError, RemoteTimeoutError, ProducerDiedError, CheckpointIncompleteError):
+    except (WorkerDiedError, DeadlineError, ProducerDiedError, CheckpointIncompleteError):
         raise
     except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError: a write that failed
         root = Path(getattr(checkpointer, "checkpoint_dir", "."))

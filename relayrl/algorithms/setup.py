@@ -30,6 +30,7 @@ from relayrl.algorithms.protocols import (
 from relayrl.algorithms.resume import check_dataset, refuse_lost_checkpoints, schedule_config
 from relayrl.algorithms.trainer_common import effective_loss_config
 from relayrl.config import REWARD_FNS_TASK, MasterConfig
+from relayrl.utils import deadlines
 from relayrl.utils.checkpoint import (
     DATALOADER_STATE,
     RNG_STATE,
@@ -190,6 +191,7 @@ def _setup(
     # Ray actors work in another directory than the driver: every path handed on (checkpoints, recorded rollouts)
     # is absolute, or a relative run directory would get the actors' files somewhere else.
     run_dir, checkpoint_dir = run_dir.absolute(), checkpoint_dir.absolute()
+    deadlines.configure(cfg.cluster)  # before any rank or child starts: they inherit the deadlines
     if cfg.cluster.torch_num_threads is not None:
         torch.set_num_threads(cfg.cluster.torch_num_threads)
     if cfg.cluster.deterministic:

@@ -167,9 +167,10 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.algorithms.setup import ResumeOptions, SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.data_plane.interfaces import DataPlaneClosedError
-    from relayrl.distributed.errors import ActorLostError, RemoteTimeoutError, WorkerDiedError
+    from relayrl.distributed.errors import ActorLostError, WorkerDiedError
     from relayrl.environments.reward_fn_env import RewardFunctionError
     from relayrl.environments.tool_env import EnvironmentClassError
+    from relayrl.utils.deadlines import DeadlineError, deadline_line
     from relayrl.utils.signals import TrainingInterrupted, exit_code, set_forced_exit_deadline
 
     resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
@@ -199,8 +200,8 @@ def _train(args: argparse.Namespace) -> int:
     except NonFiniteError as exc:  # stopped before the bad step changed any weight
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
-    except RemoteTimeoutError as exc:  # a remote wait past its deadline (the message names it and the key)
-        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
+    except DeadlineError as exc:  # a blocking call past its deadline (the message names it and the key)
+        print(f"relayrl: error: {deadline_line(exc)}; {resume}", file=sys.stderr)
         return 1
     except CheckpointIncompleteError as exc:  # not published: the previous checkpoint is still the resume point
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)

@@ -321,12 +321,22 @@ class ClusterConfig(Strict):
     """Keep freed tensor buffers (up to 32 MiB each) mapped for reuse instead of returning them to the OS (glibc
     mallopt; like running under jemalloc/tcmalloc): saves thousands of page faults per CPU training step."""
     start_timeout_s: PositiveFloat = 600.0
-    """Ray executor: deadline for a worker group or the rollout actor to start (resources placed, processes up,
-    models loaded); past it the run stops with one line naming what did not start."""
+    """Deadline for a Ray worker group or the rollout actor to start (resources placed, processes up, models
+    loaded), and for the async producer's generation process to load its model; past it the run stops with one line
+    naming what did not start."""
     call_timeout_s: PositiveFloat = 1800.0
-    """Ray executor: deadline for one call on the workers or the rollout actor (a generation batch, a training
-    step, a refit); a rank that is alive but stuck fails the run with one line naming the call, never hangs it.
-    A dead rank is reported within seconds regardless."""
+    """Deadline for one call on the workers (Ray ranks, local rank threads), the rollout actor or the async
+    producer's generation process (a generation batch, a training step, a refit); a worker that is alive but stuck
+    fails the run with one line naming the call, never hangs it. A dead Ray rank is reported within seconds
+    regardless."""
+    wait_timeout_s: PositiveFloat = 1800.0
+    """Deadline for a hand-off between threads of one process: the async trainer waiting for the producer's next
+    batch (or a drain before a checkpoint), joining the producer, a lock held across another blocking call. Past
+    it the run stops with one line naming the wait."""
+    collective_timeout_s: PositiveFloat = 1800.0
+    """Deadline for one collective (torch.distributed gloo/nccl groups: gradients, the weight broadcast; the local
+    executor's rank barrier) and for each message of a refit over ZMQ IPC; a rank that never joins fails the run
+    with one line naming the operation and the rank."""
 
 
 class DataPlaneConfig(Strict):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from relayrl.utils.deadlines import DeadlineError
+
 
 class WorkerDiedError(RuntimeError):
     """A rank's process is gone; the message names the rank. The group is unusable afterwards."""
 
 
-class RemoteTimeoutError(TimeoutError):
+class RemoteTimeoutError(DeadlineError):
     """A wait on another process ran past its deadline; the message names what was waited for and the config key
     of the deadline. The run cannot continue (the group or actor is torn down)."""
 

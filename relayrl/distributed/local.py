@@ -9,6 +9,7 @@ exercises exactly the code path a multi-process group runs.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
@@ -16,6 +17,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 import torch
 
 from relayrl.distributed.interfaces import method_name
+from relayrl.utils import deadlines
 
 W = TypeVar("W")
 P = ParamSpec("P")
@@ -47,16 +49,29 @@ class _ThreadHub:
         self.world_size = world_size
         self.barrier = threading.Barrier(world_size)
         self.slots: list[Any] = [None] * world_size
+        self.aborted = False  # set by abort(): a broken barrier is then another rank's failure, not a deadline
 
-    def exchange(self, rank: int, value: Any) -> list[Any]:
+    def exchange(self, rank: int, value: Any, op: str) -> list[Any]:
         """Publish `value`, wait for every rank, and return all published values (valid until `done`)."""
         self.slots[rank] = value
-        self.barrier.wait()
+        self.meet(rank, op)
         return self.slots
 
-    def done(self) -> None:
+    def done(self, rank: int, op: str) -> None:
         """Second barrier: nobody reuses the slots (or mutates a published tensor) until everyone has read them."""
-        self.barrier.wait()
+        self.meet(rank, op)
+
+    def meet(self, rank: int, op: str) -> None:
+        """The barrier, within the collective deadline: past it, `DeadlineError` naming the operation and rank."""
+        limit = deadlines.deadline("collective")
+        try:
+            self.barrier.wait(limit.seconds)
+        except threading.BrokenBarrierError:
+            if self.aborted:
+                raise
+            raise limit.error(
+                f"rank {rank}'s {op} (in-process group of {self.world_size}: another rank never joined)"
+            ) from None
 
 
 class ThreadCollective:
@@ -81,34 +96,36 @@ class ThreadCollective:
         return self._hub.world_size
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        slots = self._hub.exchange(self._rank, tensor)
+        slots = self._hub.exchange(self._rank, tensor, "all_reduce_sum")
         # Every rank adds in rank order, so all ranks get bitwise-identical sums.
         total = slots[0].detach().clone()
         for other in slots[1:]:
             total += other.to(total.device)
-        self._hub.done()
+        self._hub.done(self._rank, "all_reduce_sum")
         tensor.copy_(total)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast source rank {src} does not exist in a group of {self.world_size}")
-        slots = self._hub.exchange(self._rank, tensor)
+        slots = self._hub.exchange(self._rank, tensor, "broadcast")
         if self._rank != src:
             tensor.copy_(slots[src])
-        self._hub.done()
+        self._hub.done(self._rank, "broadcast")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered = list(self._hub.exchange(self._rank, obj))
-        self._hub.done()
+        gathered = list(self._hub.exchange(self._rank, obj, "all_gather_object"))
+        self._hub.done(self._rank, "all_gather_object")
         return gathered
 
     def abort(self) -> None:
         """Release ranks blocked at the barrier (they raise BrokenBarrierError) after another rank failed."""
+        self._hub.aborted = True
         self._hub.barrier.abort()
 
     def reset(self) -> None:
         """Make the group usable again once every thread has returned."""
         self._hub.barrier.reset()
+        self._hub.aborted = False
         self._hub.slots = [None] * self._hub.world_size
 
 
@@ -127,7 +144,7 @@ class LocalWorkerGroup(Generic[W]):
         # Workers are built concurrently too: their constructors may use collectives (e.g. broadcast rank 0's
         # freshly initialised weights so every replica starts identical).
         calls = [partial(worker_cls, rank=r, comm=c, **init_kwargs) for r, c in enumerate(self._comms)]
-        self._workers = self._parallel(calls)
+        self._workers = self._parallel(calls, f"building {getattr(worker_cls, '__name__', 'the workers')}")
         self._closed = False
 
     # ------------------------------------------------------------------ WorkerGroup protocol
@@ -136,7 +153,9 @@ class LocalWorkerGroup(Generic[W]):
         return len(self._comms)
 
     def run_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        return self._parallel([self._bound(w, method, *args, **kwargs) for w in self._live_workers()])
+        return self._parallel(
+            [self._bound(w, method, *args, **kwargs) for w in self._live_workers()], method_name(method)
+        )
 
     def run_sharded(
         self, method: Callable[Concatenate[W, S, P], R], shards: Sequence[S], *args: P.args, **kwargs: P.kwargs
@@ -144,7 +163,9 @@ class LocalWorkerGroup(Generic[W]):
         workers = self._live_workers()
         if len(shards) != len(workers):
             raise ValueError(f"run_sharded got {len(shards)} shards for {len(workers)} workers")
-        return self._parallel([self._bound(w, method, s, *args, **kwargs) for w, s in zip(workers, shards)])
+        return self._parallel(
+            [self._bound(w, method, s, *args, **kwargs) for w, s in zip(workers, shards)], method_name(method)
+        )
 
     def run_rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return self._bound(self._live_workers()[0], method, *args, **kwargs)()
@@ -179,7 +200,7 @@ class LocalWorkerGroup(Generic[W]):
             raise AttributeError(f"{type(worker).__name__} has no method {name!r}")
         return lambda: fn(*args, **kwargs)
 
-    def _parallel(self, calls: Sequence[Callable[[], R]]) -> list[R]:
+    def _parallel(self, calls: Sequence[Callable[[], R]], what: str) -> list[R]:
         """Run one call per rank; with several ranks each in its own thread. Re-raises the first real error."""
         if len(calls) == 1:
             return [calls[0]()]
@@ -193,12 +214,21 @@ class LocalWorkerGroup(Generic[W]):
                 errors[r] = exc
                 self._comms[r].abort()
 
-        threads = [threading.Thread(target=target, args=(r,), name=f"local-worker-{r}") for r in range(len(calls))]
+        # daemon: a rank stuck past the call deadline is left behind, and never keeps the process alive
+        threads = [
+            threading.Thread(target=target, args=(r,), name=f"local-worker-{r}", daemon=True) for r in range(len(calls))
+        ]
         for t in threads:
             t.start()
+        limit = deadlines.deadline("call")
+        end = time.monotonic() + limit.seconds
         for t in threads:
-            t.join()
+            t.join(max(0.0, end - time.monotonic()))
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
         failed = [e for e in errors if e is not None]
+        if stuck:  # a rank still runs: the run cannot go on
+            root = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), None)
+            raise root or limit.error(f"local executor ranks {stuck} of {len(calls)} in {what!r}")
         if failed:
             for c in self._comms:
                 c.reset()

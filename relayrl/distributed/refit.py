@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from relayrl.utils import deadlines
+
 if TYPE_CHECKING:  # pyzmq is the Ray refit's transport only: imported on use, so a CPU install can leave it out
     import zmq
 
@@ -41,7 +43,6 @@ RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ALIGN = 512
 COMPLETE = b"COMPLETE"
-DEFAULT_TIMEOUT_MS = 120_000
 IPC_DIR_ENV = "RELAYRL_REFIT_IPC_DIR"
 
 
@@ -124,6 +125,12 @@ def ipc_address(tag: str, directory: str | None = None) -> str:
     return f"ipc://{os.path.join(root, f'relayrl-refit-{safe}.sock')}"
 
 
+def _zmq_deadline(timeout_ms: int | None) -> deadlines.Deadline:
+    if timeout_ms is None:
+        return deadlines.deadline("collective")
+    return deadlines.Deadline(timeout_ms / 1000, "timeout_ms")
+
+
 def _socket(ctx: zmq.Context[Any], kind: int, timeout_ms: int) -> zmq.Socket[Any]:
     import zmq
 
@@ -140,11 +147,12 @@ def stream_weights_via_ipc_zmq(
     buffer_size_bytes: int,
     *,
     dtype: torch.dtype | None = None,
-    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    timeout_ms: int | None = None,
 ) -> dict[str, int]:
     """Send every tensor to the generation worker listening on `address`; returns bytes and bucket counts.
 
-    Raises RuntimeError when the receiver reports a failure and zmq.Again when it stops answering.
+    Raises RuntimeError when the receiver reports a failure and DeadlineError when it does not answer within
+    `timeout_ms` (None: `cluster.collective_timeout_s`) per message.
     """
     half = _aligned(max(buffer_size_bytes // 2, 1))
     if buffer_size_bytes < 2 * ALIGN:
@@ -152,7 +160,8 @@ def stream_weights_via_ipc_zmq(
     import zmq
 
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = _socket(ctx, zmq.REQ, timeout_ms)
+    limit = _zmq_deadline(timeout_ms)
+    sock = _socket(ctx, zmq.REQ, int(limit.seconds * 1000))
     sock.bind(address)
     buffers = [torch.empty(half, dtype=torch.uint8), torch.empty(half, dtype=torch.uint8)]  # ping-pong
     state = {"current": 0, "in_flight": False, "buckets": 0, "bytes": 0}
@@ -200,18 +209,23 @@ def stream_weights_via_ipc_zmq(
         if reply != b"OK":
             raise RuntimeError(f"generation worker failed to finish the refit: {reply.decode(errors='replace')}")
         return {"bytes": int(state["bytes"]), "buckets": int(state["buckets"])}
+    except zmq.Again:
+        what = f"refit over ZMQ IPC {address} (bucket {state['buckets']}): the generation worker's reply"
+        raise limit.error(what) from None
     finally:
         sock.close(linger=0)
 
 
 def receive_weights_via_ipc_zmq(
-    address: str, state_dict_info: RefitInfo, load_weights: LoadFn, *, timeout_ms: int = DEFAULT_TIMEOUT_MS
+    address: str, state_dict_info: RefitInfo, load_weights: LoadFn, *, timeout_ms: int | None = None
 ) -> bool:
-    """Receive one refit on `address` and load it; True when every expected tensor arrived and loaded."""
+    """Receive one refit on `address` and load it; True when every expected tensor arrived and loaded. A sender
+    that goes quiet for `timeout_ms` (None: `cluster.collective_timeout_s`) raises DeadlineError."""
     import zmq
 
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    sock = _socket(ctx, zmq.REP, timeout_ms)
+    limit = _zmq_deadline(timeout_ms)
+    sock = _socket(ctx, zmq.REP, int(limit.seconds * 1000))
     sock.connect(address)
     loaded: set[str] = set()
     try:
@@ -245,7 +259,8 @@ def receive_weights_via_ipc_zmq(
                 return False
             sock.send(b"OK")
     except zmq.Again:
-        return False
+        what = f"refit over ZMQ IPC {address} ({len(loaded)} of {len(state_dict_info)} tensors in): the training rank's next bucket"
+        raise limit.error(what) from None
     finally:
         sock.close(linger=0)
 
@@ -259,9 +274,11 @@ def _digest(info: RefitInfo) -> int:
 class WeightUpdateGroup:
     """A gloo group of training ranks (0..train_world_size-1) and generation workers (the ranks after them)."""
 
-    def __init__(self, ip: str, port: int, rank: int, world_size: int, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, ip: str, port: int, rank: int, world_size: int, *, timeout_s: float | None = None) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"weight-update group: rank {rank} is not in a world of size {world_size} (need >= 2)")
+        if timeout_s is None:  # the configured deadline (gloo's own timeout bounds every broadcast of the group)
+            timeout_s = deadlines.deadline("collective").seconds
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(ip, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("relayrl-refit", self._store), rank, world_size, timeout)

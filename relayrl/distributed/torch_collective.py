@@ -9,14 +9,17 @@ callers never need to care which backend is underneath.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 1800.0
+from relayrl.utils import deadlines
+
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT")
 
 
@@ -37,8 +40,9 @@ class TorchDistCollective:
         *,
         backend: str | None = None,
         init_method: str = "env://",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
     ) -> None:
+        """`timeout_s`: every collective's deadline (None: `cluster.collective_timeout_s`, as configured)."""
         rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
         world_size = int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
         if rank is None or world_size is None:
@@ -58,14 +62,17 @@ class TorchDistCollective:
             raise RuntimeError("TorchDistCollective: backend 'nccl' needs a CUDA device but torch sees none")
         if self._backend == "nccl":  # under Ray each rank sees only its own GPU(s): LOCAL_RANK picks among them
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        dist.init_process_group(
-            self._backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        limit = deadlines.deadline("collective")
+        self._deadline = limit if timeout_s is None else deadlines.Deadline(timeout_s, "timeout_s")
         self._rank = rank
+        with self._bounded("joining the process group"):
+            dist.init_process_group(
+                self._backend,
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=self._deadline.seconds),
+            )
         self._world_size = world_size
         self._alive = True
 
@@ -85,7 +92,8 @@ class TorchDistCollective:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self._check_alive()
         work = self._staged(tensor)
-        dist.all_reduce(work, op=dist.ReduceOp.SUM)
+        with self._bounded("all_reduce_sum"):
+            dist.all_reduce(work, op=dist.ReduceOp.SUM)
         if work is not tensor:
             tensor.copy_(work)
 
@@ -94,20 +102,23 @@ class TorchDistCollective:
         if not 0 <= src < self._world_size:
             raise ValueError(f"broadcast source rank {src} does not exist in a group of {self._world_size}")
         work = self._staged(tensor)
-        dist.broadcast(work, src=src)
+        with self._bounded(f"broadcast from rank {src}"):
+            dist.broadcast(work, src=src)
         if work is not tensor:
             tensor.copy_(work)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._check_alive()
         out: list[Any] = [None] * self._world_size
-        dist.all_gather_object(out, obj)
+        with self._bounded("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:
         """Block until every rank reaches this point."""
         self._check_alive()
-        dist.barrier()
+        with self._bounded("barrier"):
+            dist.barrier()
 
     def destroy(self) -> None:
         """Tear the process group down (idempotent); the collective is unusable afterwards."""
@@ -116,6 +127,18 @@ class TorchDistCollective:
         self._alive = False
 
     # ------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _bounded(self, op: str) -> Iterator[None]:
+        """The backend's own timeout (the group's, set from the deadline) as one `DeadlineError` line naming the
+        operation and this rank; other errors pass unchanged."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            what = f"rank {self._rank} of {self._world_size}: torch.distributed {self._backend} {op}"
+            raise self._deadline.error(what) from exc
+
     def _check_alive(self) -> None:
         if not self._alive:
             raise RuntimeError(f"rank {self._rank}: the torch.distributed group has been destroyed")

@@ -75,7 +75,7 @@ def openenv_environment(
 
         def reset(self, **row: Any) -> str | None:
             self.client = client_cls(base_url=base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s).sync()
-            result = _served("reset", lambda: self.client.reset(**{k: row[k] for k in columns if k in row}))
+            result = _served("reset", lambda: self.client.reset(**{k: row[k] for k in columns if k in row}), timeout_s)
             self._outcome(result)
             return observation_text(result.observation, observation_field) or None
 
@@ -85,7 +85,7 @@ def openenv_environment(
             except Exception as exc:  # pydantic's ValidationError: the model's arguments, told to the model
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise ValueError(f"invalid arguments for {tool_name!r}: {first}") from None
-            result = _served("step", lambda: self.client.step(act))
+            result = _served("step", lambda: self.client.step(act), timeout_s)
             self._outcome(result)
             return observation_text(result.observation, observation_field)
 
@@ -94,7 +94,7 @@ def openenv_environment(
 
         def server_state(self) -> Any:
             """The server's state of this session (a dict with the generic client, e.g. its step count)."""
-            return _served("state", lambda: self.client.state())
+            return _served("state", lambda: self.client.state(), timeout_s)
 
         def close(self) -> None:
             if self.client is not None:
@@ -126,13 +126,25 @@ def observation_text(observation: Any, field: str | None) -> str:
     return json.dumps(rest, sort_keys=True, default=str)
 
 
-def _served(what: str, call: Any) -> Any:
+def _served(what: str, call: Any, timeout_s: float) -> Any:
     try:
         return call()
     except Exception as exc:  # ConnectionError, TimeoutError, ConnectionClosed, "Server error: ..." frames
         first = (str(exc).strip().splitlines() or [""])[0]
         text = f"{type(exc).__name__}: {first}" if first else f"{type(exc).__name__} (no reply)"
+        if _timed_out(exc):  # the deadline, and the key that sets it
+            text += f" (no reply within {timeout_s:g}s, env.openenv.timeout_s)"
         raise ServerError(f"{what} failed: {text}") from exc
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """A timeout anywhere in the error's chain (the client wraps a handshake's timeout in a ConnectionError)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _tool_schema(action_cls: type, name: str) -> dict[str, Any]:

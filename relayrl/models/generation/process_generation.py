@@ -35,6 +35,7 @@ from torch import nn
 from relayrl.config import GenerationConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
+from relayrl.utils import deadlines
 
 __all__ = ["GenerationProcessError", "ProcessGeneration"]
 
@@ -158,16 +159,21 @@ class ProcessGeneration:
         self._proc = ctx.Process(target=_serve, args=(child, init), name="relayrl-generation", daemon=True)
         self._lock = threading.RLock()  # one request in flight: a trainer-side checkpoint may ask for the RNG
         self._closed = False
+        self._wedged = False  # a request ran past its deadline
         self.child_cpu_s = 0.0  # the child's CPU seconds so far (reported with every reply)
         self._proc.start()
         child.close()
-        self._receive("start")
+        self._receive("start", "start")
         self.config = config
 
     # ------------------------------------------------------------------ transport
-    def _receive(self, method: str) -> Any:
+    def _receive(self, method: str, kind: deadlines.Kind = "call") -> Any:
         try:
-            status, payload, self.child_cpu_s = self._conn.recv()
+            what = f"the generation process's {method!r} (pid {self._proc.pid})"
+            status, payload, self.child_cpu_s = deadlines.recv(self._conn, what, kind)
+        except deadlines.DeadlineError:
+            self._wedged = True  # a late reply would answer the next request: the child is only stopped now
+            raise
         except (EOFError, ConnectionError):
             self._proc.join(timeout=5)
             raise GenerationProcessError(
@@ -180,7 +186,7 @@ class ProcessGeneration:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError("generation engine is shut down")
-        with self._lock:
+        with deadlines.held(self._lock, f"the generation process's request lock (for {method!r})"):
             try:
                 self._conn.send((method, args, kwargs))
             except (BrokenPipeError, ConnectionError):
@@ -202,7 +208,8 @@ class ProcessGeneration:
         if not self._staging.fits(state):
             self._call("load_weights", dict(state), int(version))
             return
-        with self._lock:  # written and read within one request: no other call comes between
+        with deadlines.held(self._lock, "the generation process's request lock (for a refit)"):
+            # written and read within one request: no other call comes between
             self._staging.write(state)
             self._call("load_weights", None, int(version))
 
@@ -223,9 +230,9 @@ class ProcessGeneration:
         if self._closed:
             return True
         try:
-            if self._proc.is_alive():
+            if self._proc.is_alive() and not self._wedged:
                 self._call("shutdown")
-        except GenerationProcessError:
+        except (GenerationProcessError, deadlines.DeadlineError):
             pass
         finally:
             self._closed = True
