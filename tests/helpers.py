@@ -410,3 +410,14 @@ class RunsCode:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return os.system, (f"touch {self.marker}",)
+
+
+def tight_deadlines(monkeypatch: Any, **fields: float) -> None:
+    """Configure `cluster.*` deadlines (e.g. `call_timeout_s=0.3`) through the config for one test; the process's
+    previous deadlines come back afterwards (they travel in the environment, which `monkeypatch` restores)."""
+    from relayrl.config import ClusterConfig
+    from relayrl.utils import deadlines
+
+    for kind in ("start", "call", "wait", "collective"):
+        monkeypatch.delenv(f"RELAYRL_{kind.upper()}_TIMEOUT_S", raising=False)
+    deadlines.configure(ClusterConfig(**fields))

@@ -306,6 +306,7 @@ def weights_error(key: str, source: str, exc: Exception) -> Exception:
     """A model directory whose weights cannot be read (truncated, corrupt, wrong shapes) is the user's input: one
     line naming the key; any other failure while building the model keeps its own type and traceback."""
     unreadable = type(exc).__name__ in ("SafetensorError", "HeaderTooLarge") or isinstance(exc, (OSError, EOFError))
+    unreadable = unreadable and not isinstance(exc, deadlines.DeadlineError)  # a TimeoutError, not the user's input
     if not unreadable and "size mismatch" not in str(exc):
         return exc
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -370,6 +371,8 @@ def run_training(
         taken = isinstance(exc, DirectoryInUseError) and exc.directory == run_dir  # another live run's: keep it
         if not existed and not taken:
             shutil.rmtree(run_dir, ignore_errors=True)  # a set-up that failed leaves no run directory behind
+        if isinstance(exc, deadlines.DeadlineError):  # a TimeoutError (so an OSError), but not bad input: exit 1
+            raise
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
         raise SetupError(message) from exc
     if announce:

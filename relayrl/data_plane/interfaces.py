@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from relayrl.data_plane.codec import Column, as_column
+from relayrl.utils.deadlines import DeadlineError
 
 FieldValue = Column | torch.Tensor
 """What a put accepts per field: a Column, a plain tensor (dense, row i = t[i]) or a jagged nested tensor."""
@@ -84,8 +85,8 @@ class DataPlaneClosedError(DataPlaneError, RuntimeError):
     """The client (or its store) was closed."""
 
 
-class ClaimTimeoutError(DataPlaneError, TimeoutError):
-    """A blocking call did not complete within its timeout."""
+class ClaimTimeoutError(DataPlaneError, DeadlineError):
+    """A blocking call did not complete within its timeout (a `DeadlineError`: the CLI ends the run in one line)."""
 
 
 def format_keys(keys: Sequence[str], limit: int = 8) -> str:

@@ -75,7 +75,7 @@ def await_remote(ref: ray.ObjectRef[R], timeout_s: float, what: str) -> R:
             ray.cancel(ref)
         except Exception:  # best effort: some actor tasks cannot be cancelled
             pass
-        raise ClaimTimeoutError(f"{what} did not complete within {timeout_s:.1f}s") from None
+        raise ClaimTimeoutError(f"{what} did not finish within {timeout_s:g}s (data_plane.call_timeout_s)") from None
     except RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, RemoteError):

@@ -67,7 +67,7 @@ R = TypeVar("R")
 _RemoteLedger: ActorClass[LedgerHost] = ray.remote(LedgerHost)
 
 
-def _run_with_timeout(fn: Callable[[], R], timeout_s: float, what: str) -> R:
+def _run_with_timeout(fn: Callable[[], R], timeout_s: float, what: str, key: str = "data_plane.call_timeout_s") -> R:
     """Run a blocking call that has no timeout of its own in a daemon thread; raise if it overruns."""
     box: dict[str, R] = {}
     failed: list[BaseException] = []
@@ -82,7 +82,7 @@ def _run_with_timeout(fn: Callable[[], R], timeout_s: float, what: str) -> R:
     t.start()
     t.join(timeout_s)
     if t.is_alive():
-        raise ClaimTimeoutError(f"transfer_queue: {what} did not finish within {timeout_s:.0f}s")
+        raise ClaimTimeoutError(f"transfer_queue: {what} did not finish within {timeout_s:g}s ({key})")
     if failed:
         raise failed[0]
     return box["value"]
@@ -157,7 +157,9 @@ class TQDataPlaneClient(RemoteClient):
             return fut.result(self._timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise ClaimTimeoutError(f"transfer_queue: {what} did not complete within {self._timeout:.0f}s") from None
+            raise ClaimTimeoutError(
+                f"transfer_queue: {what} did not finish within {self._timeout:g}s (data_plane.call_timeout_s)"
+            ) from None
 
     # ------------------------------------------------------------------ direct by key
     def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
@@ -288,7 +290,7 @@ def _bootstrap(cfg: DataPlaneConfig, num_storage_units: int, init_timeout_s: flo
     )
     ledger = start_host(_RemoteLedger, run_scoped(LEDGER_NAME), cfg.storage_capacity, init_timeout_s)
     try:
-        _run_with_timeout(lambda: tq.init(conf), init_timeout_s, "init")
+        _run_with_timeout(lambda: tq.init(conf), init_timeout_s, "init", "data_plane.init_timeout_s")
     except BaseException:
         ray.kill(ledger)
         controller = lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE)
@@ -305,7 +307,7 @@ def _attach(init_timeout_s: float) -> ActorHandle[LedgerHost]:
         raise RuntimeError(
             "no TransferQueue data plane to attach to; the driver must build its client with bootstrap=True first"
         )
-    _run_with_timeout(tq.init, init_timeout_s, "attach")
+    _run_with_timeout(tq.init, init_timeout_s, "attach", "data_plane.init_timeout_s")
     return ledger
 
 

@@ -226,7 +226,9 @@ class LocalWorkerGroup(Generic[W]):
             t.join(max(0.0, end - time.monotonic()))
         stuck = [r for r, t in enumerate(threads) if t.is_alive()]
         failed = [e for e in errors if e is not None]
-        if stuck:  # a rank still runs: the run cannot go on
+        if stuck:  # a rank still runs: the run cannot go on; ranks blocked in a collective are released
+            for c in self._comms:
+                c.abort()
             root = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), None)
             raise root or limit.error(f"local executor ranks {stuck} of {len(calls)} in {what!r}")
         if failed:

@@ -238,3 +238,51 @@ def test_config_refuses_two_environments_and_bad_tool_names() -> None:
         load_config(None, [*served, "env.on_server_error=retry"])
     with pytest.raises(ValueError, match="openenv tool_name 'reset' must be a public identifier"):
         openenv_environment("http://127.0.0.1:1", Guess, tool_name="reset")
+
+
+class Silent:
+    """A loopback server that accepts every connection and never answers (a wedged environment server)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:  # closed
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_server_that_never_answers_fails_at_env_openenv_timeout_s() -> None:
+    """Issue 28 item 5: the HTTP/WebSocket call to a served environment has a deadline, set by env.openenv.timeout_s
+    (built through the config, as a run builds it); past it one line names the server, the row, the call, the
+    deadline and its key."""
+    from relayrl.environments.registry import build_tool_environments
+    from relayrl.utils.config_io import load_config
+
+    silent = Silent()
+    try:
+        keys = {k: v for k, v in SMALL.items() if k.startswith("env.")}
+        keys |= {"env.openenv.base_url": silent.url, "env.openenv.timeout_s": 0.3}
+        cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()])
+        env = build_tool_environments(cfg, None, None)["environment"]
+        start = time.monotonic()
+        with pytest.raises(ServedEnvironmentError) as err:
+            env.start_episodes(_rows("4"))
+        assert 0.3 <= time.monotonic() - start < 5
+    finally:
+        silent.close()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"served environment {silent.url} failed on dataset row 0: reset ")
+    assert "(no reply within 0.3s, env.openenv.timeout_s); env.on_server_error=count" in line

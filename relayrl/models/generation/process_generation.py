@@ -237,6 +237,8 @@ class ProcessGeneration:
         finally:
             self._closed = True
             self._conn.close()
+            if self._wedged:  # past a deadline: no clean exit to wait for
+                self._proc.kill()
             self._proc.join(timeout=10)
             if self._proc.is_alive():
                 self._proc.terminate()

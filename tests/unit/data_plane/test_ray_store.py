@@ -123,3 +123,31 @@ def test_build_without_ray_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(ray_store.ray, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="ray.init"):
         ray_store.build_client(CFG, bootstrap=True)
+
+
+@pytest.mark.ray
+def test_a_wedged_store_ends_each_call_at_data_plane_call_timeout_s(ray_cluster: None) -> None:  # noqa: F811
+    """Issue 28 item 5: the store's actor process stops answering (SIGSTOP: a real hang); a call on it ends at
+    data_plane.call_timeout_s with one line naming the call and the key (a DeadlineError: the CLI exits 1)."""
+    import signal
+
+    from relayrl.data_plane.ray_store import build_client
+    from relayrl.utils.deadlines import DeadlineError
+
+    owner = build_client(CFG, bootstrap=True, actor_name=f"{NAME}_wedged")
+    cfg = DataPlaneConfig(enabled=True, backend="ray", storage_capacity=1_000, call_timeout_s=0.5)
+    client = build_client(cfg, bootstrap=False, actor_name=f"{NAME}_wedged")  # a worker's client
+    pid = ray.get(owner._actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(DeadlineError) as err:
+            client.register_partition("train", ["reward"], 2, ["train"])
+        assert time.monotonic() - start < 10
+        assert str(err.value) == (
+            "ray data plane register_partition did not finish within 0.5s (data_plane.call_timeout_s)"
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        client.close()
+        owner.close()

@@ -9,6 +9,8 @@ import torch
 
 from relayrl.distributed.interfaces import Collective, WorkerGroup
 from relayrl.distributed.local import LocalWorkerGroup, SingleProcessCollective, ThreadCollective
+from relayrl.utils.deadlines import DeadlineError
+from tests.helpers import tight_deadlines
 from tests.unit.distributed.toy_worker import CollectiveToyWorker
 
 
@@ -31,6 +33,13 @@ class ToyWorker(CollectiveToyWorker):
         if self.rank == bad_rank:
             raise ValueError(f"rank {self.rank} failed on purpose")
         return self.total()  # the healthy ranks block here until the failure aborts the barrier
+
+    def hang_on(self, stuck_rank: int, release: threading.Event) -> torch.Tensor | None:
+        """Rank `stuck_rank` hangs (never reaches the collective) until `release`; the others sum."""
+        if self.rank == stuck_rank:
+            release.wait(30)
+            return None
+        return self.total()
 
     def shutdown(self) -> bool:
         self.closed = True
@@ -114,3 +123,39 @@ def test_thread_collective_ranks() -> None:
     comms = ThreadCollective.create_group(2)
     assert [c.rank for c in comms] == [0, 1] and all(c.world_size == 2 for c in comms)
     assert all(isinstance(c, Collective) for c in comms)
+
+
+def test_a_rank_that_never_joins_ends_the_collective_and_the_call(monkeypatch) -> None:
+    """Issue 28 item 5: rank 2 hangs; ranks 0 and 1 wait at the collective's barrier until
+    cluster.collective_timeout_s and the driver's join of the rank threads ends at cluster.call_timeout_s, the
+    error naming the collective and the rank that waited."""
+    group = LocalWorkerGroup(ToyWorker, 3)
+    tight_deadlines(monkeypatch, collective_timeout_s=0.2, call_timeout_s=0.5)
+    release = threading.Event()
+    try:
+        with pytest.raises(DeadlineError) as err:
+            group.run_all(ToyWorker.hang_on, 2, release)
+    finally:
+        release.set()
+    assert str(err.value) in {
+        f"rank {r}'s all_reduce_sum (in-process group of 3: another rank never joined) did not finish within 0.2s "
+        "(cluster.collective_timeout_s)"
+        for r in (0, 1)
+    }
+
+
+def test_a_hung_rank_ends_the_drivers_join(monkeypatch) -> None:
+    group = LocalWorkerGroup(ToyWorker, 2)
+    tight_deadlines(monkeypatch, call_timeout_s=0.2)
+    release = threading.Event()
+    try:
+        with pytest.raises(DeadlineError) as err:
+            group.run_all(ToyWorker.hang_on, 1, release)  # rank 0 waits in the collective (default deadline)
+    finally:
+        release.set()
+    for t in [t for t in threading.enumerate() if t.name.startswith("local-worker-")]:
+        t.join(10)  # the rank left waiting in the collective was released when the join gave up
+        assert not t.is_alive()
+    assert str(err.value) == (
+        "local executor ranks [0, 1] of 2 in 'hang_on' did not finish within 0.2s (cluster.call_timeout_s)"
+    )

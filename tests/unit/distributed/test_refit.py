@@ -24,6 +24,8 @@ from relayrl.distributed.refit import (
     stream_weights_via_ipc_zmq,
 )
 from relayrl.models.policy.worker import PolicyWorker, load_causal_lm
+from relayrl.utils.deadlines import DeadlineError
+from tests.helpers import tight_deadlines
 
 
 def free_port() -> int:
@@ -176,3 +178,24 @@ def test_collective_detects_a_mismatched_manifest_without_hanging() -> None:
     assert all(torch.equal(out1["value"][n], t) for n, t in tensors)  # misaligned float64 slice cloned correctly
     with pytest.raises(ValueError, match="rank 2 is not in a world of size 2"):
         WeightUpdateGroup("127.0.0.1", port, 2, 2)
+
+
+def test_a_refit_peer_that_never_answers_ends_with_one_line(tmp_path: Path, monkeypatch) -> None:
+    """Issue 28 item 5: each ZMQ message waits at most cluster.collective_timeout_s; a generation worker that never
+    connects, or a training rank that never sends, ends the refit with one line naming the socket and the key."""
+    tight_deadlines(monkeypatch, collective_timeout_s=0.2)
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(7))]
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    with pytest.raises(DeadlineError) as err:
+        stream_weights_via_ipc_zmq(tensors, address, 1024)
+    assert str(err.value) == (
+        f"refit over ZMQ IPC {address} (bucket 0): the generation worker's reply did not finish within 0.2s "
+        "(cluster.collective_timeout_s)"
+    )
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    with pytest.raises(DeadlineError) as err:
+        receive_weights_via_ipc_zmq(address, refit_info(tensors), lambda batch: None)
+    assert str(err.value) == (
+        f"refit over ZMQ IPC {address} (0 of 2 tensors in): the training rank's next bucket did not finish within "
+        "0.2s (cluster.collective_timeout_s)"
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch
 from relayrl.config import ColocatedConfig, GenerationConfig
 from relayrl.models.generation.hf_generation import HfGeneration
 from relayrl.models.generation.process_generation import GenerationProcessError, ProcessGeneration
-from tests.helpers import build_test_model
+from relayrl.utils.deadlines import DeadlineError
+from tests.helpers import build_test_model, tight_deadlines
 from tests.unit.models.generation.test_hf_generation import PROMPTS, Source, _batch, _sharpen
 
 CFG = GenerationConfig(max_new_tokens=6, colocated=ColocatedConfig(enabled=False))
@@ -103,3 +106,55 @@ def test_a_snapshot_of_other_weights_is_refused_in_one_line(engines, char_tokeni
     ):
         remote.load_weights(snapshot, 1)
     assert remote.generate(_batch(char_tokenizer, PROMPTS))["output_ids"].shape[0] == len(PROMPTS)
+
+
+def test_a_hung_child_ends_the_call_and_the_request_waiting_behind_it(char_tokenizer, monkeypatch):
+    """Issue 28 item 5: a child that stops answering (SIGSTOP: a real hang) ends the pipe's wait with one line
+    naming the call, the pid and cluster.call_timeout_s; a second request waiting for the first's lock ends with
+    one line under cluster.wait_timeout_s; shutting the engine down afterwards does not wait for the child."""
+    tight_deadlines(monkeypatch, call_timeout_s=1.0, wait_timeout_s=0.2)
+    remote = ProcessGeneration(
+        CFG, char_tokenizer, build_test_model(char_tokenizer), 0, max_total_sequence_length=None, seed=7,
+        num_threads=1, deterministic=True,
+    )  # fmt: skip
+    pid = remote._proc.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            remote.generate(_batch(char_tokenizer, PROMPTS))
+        except DeadlineError as exc:
+            errors.append(exc)
+
+    def lock_taken() -> bool:  # by the generate call's thread (an RLock: probed from a third thread)
+        taken: list[bool] = []
+        probe = threading.Thread(target=lambda: taken.append(remote._lock.acquire(blocking=False)))
+        probe.start()
+        probe.join()
+        if taken[0]:
+            remote._lock.release()
+        return not taken[0]
+
+    caller = threading.Thread(target=generate, daemon=True)
+    try:
+        caller.start()
+        deadline = time.monotonic() + 30
+        while not lock_taken() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(DeadlineError) as err:
+            remote.get_rng_state()
+        assert str(err.value) == (
+            "the generation process's request lock (for 'get_rng_state') did not finish within 0.2s "
+            "(cluster.wait_timeout_s)"
+        )
+        caller.join(30)
+        assert [str(e) for e in errors] == [
+            f"the generation process's 'generate' (pid {pid}) did not finish within 1s (cluster.call_timeout_s)"
+        ]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        start = time.monotonic()
+        remote.shutdown()
+        assert time.monotonic() - start < 10 and not remote._proc.is_alive()
