@@ -279,6 +279,7 @@ class WeightUpdateGroup:
             raise ValueError(f"weight-update group: rank {rank} is not in a world of size {world_size} (need >= 2)")
         if timeout_s is None:  # the configured deadline (gloo's own timeout bounds every broadcast of the group)
             timeout_s = deadlines.deadline("collective").seconds
+        self._deadline = deadlines.Deadline(timeout_s, "cluster.collective_timeout_s")
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(ip, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("relayrl-refit", self._store), rank, world_size, timeout)
@@ -286,7 +287,13 @@ class WeightUpdateGroup:
         self.world_size = world_size
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        self._pg.broadcast([tensor], _root(0)).wait()  # type: ignore[attr-defined]
+        try:
+            self._pg.broadcast([tensor], _root(0)).wait()  # type: ignore[attr-defined]
+        except RuntimeError as exc:  # gloo's own timeout: one line naming the refit's rank
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise
+            what = f"weight-update group rank {self.rank} of {self.world_size}: the refit's broadcast"
+            raise self._deadline.error(what) from exc
 
     def send_weights(
         self,
