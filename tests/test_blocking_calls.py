@@ -22,6 +22,7 @@ blocking call is taken with `relayrl.utils.deadlines.held` (docs/design.md, "Dea
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +122,13 @@ def unbounded_calls(root: Path, package: Path) -> list[tuple[str, int]]:
     return found
 
 
+@functools.cache
+def _package_calls() -> list[tuple[str, int]]:
+    return unbounded_calls(ROOT, PACKAGE)
+
+
 def test_every_blocking_call_has_a_deadline() -> None:
-    found = unbounded_calls(ROOT, PACKAGE)
+    found = _package_calls()
     new = [
         f"{site.split('::')[0]}:{line} in {site.split('::')[1]}: {site.split('::', 2)[2]}"
         for site, line in found
@@ -136,7 +142,7 @@ def test_every_blocking_call_has_a_deadline() -> None:
 
 def test_the_allowlist_names_only_calls_that_exist() -> None:
     """A stale entry would silently allow the next call that happens to match it."""
-    sites = {site for site, _ in unbounded_calls(ROOT, PACKAGE)}
+    sites = {site for site, _ in _package_calls()}
     assert sorted(set(ALLOWED) - sites) == []
 
 
