@@ -1,5 +1,8 @@
 """Turn a run's metrics.jsonl into one PNG of training curves (`relayrl` runs and `python -m relayrl.utils.plot`).
 
+Below the curves, when the run logged them, a full-width stacked chart of each step's time by phase
+(`timer.STEP_PHASES`, the remainder `unaccounted` on top, `total_step_time` as a line): what a step spent where.
+
 Uses matplotlib's object API with the Agg canvas directly, so it never touches pyplot's global backend (safe in
 headless jobs and inside notebooks alike).
 """
@@ -12,8 +15,12 @@ import math
 import warnings
 from pathlib import Path
 
+from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from relayrl.utils.timer import STEP_PHASES, TOTAL, UNACCOUNTED
 
 #: (panel title, metric name) in display order; `critic/loss` only appears when the run logged it (PPO).
 PANELS: list[tuple[str, str]] = [
@@ -24,7 +31,14 @@ PANELS: list[tuple[str, str]] = [
     ("Response length (tokens)", "train/mean_gen_tokens_per_sample"),
     ("Step time (s)", "timing/train/total_step_time"),
 ]
-OPTIONAL_PANELS: list[tuple[str, str]] = [("Value loss", "critic/loss")]
+OPTIONAL_PANELS: list[tuple[str, str]] = [
+    ("Value loss", "critic/loss"),
+    ("Async producer idle (s)", "timing/async/producer_idle"),  # waiting for weights within the staleness bound
+    ("Async queue depth (batches ready)", "timing/async/queue_depth"),
+]
+TIMING_PREFIX = "timing/train/"
+#: Bars up to this many steps; a stacked area beyond (bars of a long run would be thinner than a pixel).
+MAX_BARS = 100
 
 
 def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -61,14 +75,21 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     series = read_metrics(run_dir / "metrics.jsonl")
     panels = PANELS + [p for p in OPTIONAL_PANELS if p[1] in series]
+    phases = [p for p in (*STEP_PHASES, UNACCOUNTED) if TIMING_PREFIX + p in series]
     ncols = 2
     nrows = math.ceil(len(panels) / ncols)
-    height = 3.2 * nrows
+    breakdown_h = 4.0 if phases else 0.0  # inches: the full-width breakdown row
+    height = 3.2 * nrows + breakdown_h
     fig = Figure(figsize=(6 * ncols, height))
     FigureCanvasAgg(fig)
     # Fixed margins (in inches) rather than constrained layout, which doubles the rendering time.
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.8 / height, hspace=0.75, wspace=0.2)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    bottom = 0.5 + (1.2 if phases else 0.0)  # inches: x labels, and the breakdown's legend below its axes
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=bottom / height, top=1 - 0.8 / height, hspace=0.75, wspace=0.2)
+    ratios = [3.2] * nrows + ([breakdown_h] if phases else [])
+    grid = fig.add_gridspec(len(ratios), ncols, height_ratios=ratios)
+    axes = [fig.add_subplot(grid[i // ncols, i % ncols]) for i in range(nrows * ncols)]
+    if phases:
+        _plot_breakdown(fig.add_subplot(grid[nrows, :]), series, phases)
     for ax, (title, key) in zip(axes, panels):
         ax.set_title(f"{title}\n{key}", fontsize=10)
         ax.set_xlabel("step")
@@ -88,6 +109,29 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=100)
     return out_path
+
+
+def _plot_breakdown(ax: Axes, series: dict[str, list[tuple[int, float]]], phases: list[str]) -> None:
+    """Each step's phases stacked (a step that did not run a phase gets 0 for it), `total_step_time` over them."""
+    by_phase = {p: dict(series[TIMING_PREFIX + p]) for p in phases}
+    steps = sorted({s for values in by_phase.values() for s in values})
+    tab20 = colormaps["tab20"].colors  # pairs of a dark and a light shade: the dark ones first, then the light
+    colors = [tab20[(2 * i) % 20 + (2 * i) // 20] for i in range(20)]
+    stacks = [[max(by_phase[p].get(s, 0.0), 0.0) for s in steps] for p in phases]
+    if len(steps) <= MAX_BARS:
+        bottom = [0.0] * len(steps)
+        for i, (name, heights) in enumerate(zip(phases, stacks)):
+            ax.bar(steps, heights, 0.8, bottom=bottom, label=name, color=colors[i % len(colors)], linewidth=0)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    else:
+        ax.stackplot(steps, stacks, labels=phases, colors=[colors[i % len(colors)] for i in range(len(phases))])
+    total = series.get(TIMING_PREFIX + TOTAL)
+    if total:
+        ax.plot(*zip(*total), color="black", linewidth=1.0, marker=".", markersize=3, label=TOTAL)
+    ax.set_title(f"Step time by phase (s)\n{TIMING_PREFIX}<phase>, stacked", fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncols=min(6, len(phases) + 1), loc="upper center", bbox_to_anchor=(0.5, -0.12))
 
 
 def main(argv: list[str] | None = None) -> None:
