@@ -168,10 +168,11 @@ def metrics_by_step(
     return out
 
 
-def assert_breakdown_adds_up(run_dir: Path, tol: float = 0.02) -> int:
+def assert_breakdown_adds_up(run_dir: Path, tol: float = 0.02, timed: tuple[str, ...] = ()) -> int:
     """On every step logged in `run_dir`, the top-level phases (`STEP_PHASES`) sum to `timing/train/total_step_time`
     within `tol` of it, the logged `unaccounted` is that remainder, and every other label is a sub-phase (a `/` path
-    timed inside a phase), so no top-level time goes unnamed. Returns the number of steps checked."""
+    timed inside a phase), so no top-level time goes unnamed; each phase of `timed` took time on every step.
+    Returns the number of steps checked."""
     from relayrl.utils.timer import STEP_PHASES, TOTAL, UNACCOUNTED
 
     checked = 0
@@ -188,6 +189,7 @@ def assert_breakdown_adds_up(run_dir: Path, tol: float = 0.02) -> int:
             f"({100 * (total - covered) / total:+.1f}%): { {k: round(v, 4) for k, v in timing.items()} }"
         )
         assert math.isclose(timing[UNACCOUNTED], total - covered, rel_tol=1e-6, abs_tol=1e-9)
+        assert all(timing.get(p, 0.0) > 0.0 for p in timed), f"step {row['step']}: {timed} not all timed: {timing}"
         checked += 1
     assert checked > 0, f"no step timings in {run_dir / 'metrics.jsonl'}"
     return checked

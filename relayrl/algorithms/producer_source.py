@@ -149,7 +149,8 @@ class ProducerSource:
         self._batch = produced
         # `reference_pass=auto`: the producer left the pass to this step if the step was already waiting for the batch
         in_store = REFERENCE_POLICY_LOGPROBS in (meta.fields or [])
-        return received(meta, produced.wire_carry, produced.rollout_metrics, reference_in_store=in_store)
+        with self.timer.time("data_processing"):
+            return received(meta, produced.wire_carry, produced.rollout_metrics, reference_in_store=in_store)
 
     def record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
         """The producer rolled the batch out and holds its rows; the store is read through the trainer's actor (on

@@ -68,20 +68,32 @@ class Timer:
 
     All methods take an internal re-entrant lock, so worker threads (e.g. a background checkpoint writer) may
     record into the same timer as the main loop.
+
+    While `TOTAL` runs, the top-level phases (`STEP_PHASES`) are contiguous: each one starts where the previous one
+    ended (the step's first where the step started), so the few statements between two phases (their glue) count in
+    the phase they lead into, and a step's phases add up to its total whatever the machine's load. Another label, or
+    a top-level phase started inside one (a bug a breakdown shows as a negative `unaccounted`), times just its body.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._running: dict[str, float] = {}
         self._timings: dict[str, list[float]] = {}
+        self._phase_end: float | None = None  # where the step's next top-level phase starts (TOTAL running)
 
     # ------------------------------------------------------------------ measuring
     def start(self, label: str) -> None:
         """Start the stopwatch `label`; starting one that is already running is a bug in the caller."""
+        now = time.perf_counter()
         with self._lock:
             if label in self._running:
                 raise ValueError(f"timer {label!r} is already running")
-            self._running[label] = time.perf_counter()
+            if label == TOTAL:
+                self._phase_end = now
+            elif self._leads_phase(label):
+                assert self._phase_end is not None
+                now = self._phase_end  # its lead-in: the statements since the previous phase ended
+            self._running[label] = now
 
     def stop(self, label: str) -> float:
         """Stop `label`, record and return the elapsed seconds."""
@@ -91,7 +103,19 @@ class Timer:
                 raise ValueError(f"timer {label!r} is not running")
             elapsed = now - self._running.pop(label)
             self._timings.setdefault(label, []).append(elapsed)
+            if label == TOTAL:
+                self._phase_end = None
+            elif self._leads_phase(label):
+                self._phase_end = now
             return elapsed
+
+    def _leads_phase(self, label: str) -> bool:
+        """`label` is a top-level phase of a running step, and no other top-level phase runs (lock held)."""
+        return (
+            label in STEP_PHASES
+            and self._phase_end is not None
+            and not any(other in STEP_PHASES for other in self._running if other != label)
+        )
 
     @contextmanager
     def time(self, label: str) -> Iterator[None]:
@@ -171,6 +195,7 @@ class Timer:
             if label is None:
                 self._timings.clear()
                 self._running.clear()
+                self._phase_end = None
             else:
                 self._timings.pop(label, None)
                 self._running.pop(label, None)
