@@ -4,8 +4,8 @@
 `policy_training/sharding_data`), so a step can report sums per phase while benchmarks can ask for the
 median of many calls. `STEP_PHASES` names a training step's top-level phases: disjoint, and together the whole
 `total_step_time`, so a breakdown adds up (`phase_remainder` is what they leave uncovered; every other label is a
-sub-phase timed inside one of them). `TimeoutChecker` answers once, at the end of a step, whether the next step might not
-finish inside the `checkpointing.checkpoint_must_save_by` budget, so the loop can save and exit cleanly.
+sub-phase timed inside one of them). `TimeoutChecker` answers once, at the end of a step, whether the next step
+might not finish inside the `checkpointing.checkpoint_must_save_by` budget, so the loop can save and exit cleanly.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ STEP_PHASES: tuple[str, ...] = (
     "checkpointing",
 )
 TOTAL = "total_step_time"
-#: `TOTAL` less the sum of `STEP_PHASES`: logged with the phases, a few per cent at most (tested per trainer).
+#: `TOTAL` less the sum of `STEP_PHASES`, logged with them: the statements after the step's last phase (the phases
+#: being contiguous, nothing else), negative if two phases overlapped. Each trainer's test holds it within 2%.
 UNACCOUNTED = "unaccounted"
 
 
