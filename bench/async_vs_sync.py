@@ -179,7 +179,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-_SHOWN = ("generation", "exposed_generation", "policy_and_reference_logprobs", "policy_training", "total_step_time")
+_SHOWN = ("generation", "waiting", "prev_logprobs", "reference", "policy_training", "total_step_time")
 
 
 def main() -> None:

@@ -168,6 +168,33 @@ def metrics_by_step(
     return out
 
 
+def assert_breakdown_adds_up(run_dir: Path, tol: float = 0.02, timed: tuple[str, ...] = ()) -> int:
+    """On every step logged in `run_dir`, the top-level phases (`STEP_PHASES`) sum to `timing/train/total_step_time`
+    within `tol` of it, the logged `unaccounted` is that remainder, and every other label is a sub-phase (a `/` path
+    timed inside a phase), so no top-level time goes unnamed; each phase of `timed` took time on every step.
+    Returns the number of steps checked."""
+    from relayrl.utils.timer import STEP_PHASES, TOTAL, UNACCOUNTED
+
+    checked = 0
+    for row in metrics_rows(run_dir):
+        timing = {k.removeprefix("timing/train/"): v for k, v in row.items() if k.startswith("timing/train/")}
+        if TOTAL not in timing:
+            continue
+        total = timing[TOTAL]
+        covered = sum(v for k, v in timing.items() if k in STEP_PHASES)
+        unnamed = [k for k in timing if k not in (*STEP_PHASES, TOTAL, UNACCOUNTED) and "/" not in k]
+        assert not unnamed, f"step {row['step']}: top-level timers missing from STEP_PHASES: {unnamed}"
+        assert abs(total - covered) <= tol * total, (
+            f"step {row['step']}: phases sum to {covered:.4f} s of total_step_time {total:.4f} s "
+            f"({100 * (total - covered) / total:+.1f}%): { {k: round(v, 4) for k, v in timing.items()} }"
+        )
+        assert math.isclose(timing[UNACCOUNTED], total - covered, rel_tol=1e-6, abs_tol=1e-9)
+        assert all(timing.get(p, 0.0) > 0.0 for p in timed), f"step {row['step']}: {timed} not all timed: {timing}"
+        checked += 1
+    assert checked > 0, f"no step timings in {run_dir / 'metrics.jsonl'}"
+    return checked
+
+
 def tiny_grpo_overrides(model_dir: Path, *extra: str) -> list[str]:
     """Dotted overrides of the small GRPO run the integration tests share: the random 2-layer test model, 4 prompts x
     4 generations of up to 8 new tokens, two micro-batches of 8, validation on 8 problems every 2 steps. `extra`

@@ -32,6 +32,7 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, TRAIN_CONSUMER_TASKS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.experience.rollouts import pop_rollout_timings
 from relayrl.utils import deadlines
 
 __all__ = [
@@ -82,6 +83,13 @@ class ProducedBatch:
     generation_cpu_s: float = 0.0  # CPU seconds of the producer thread and its generation process for this batch
     rows: dict[str, torch.Tensor] | None = None  # a restored batch's rows until they are back in the store
     flight_rows: dict[str, Any] | None = None  # Ray: the flight recorder's rows, fetched from the producer's actor
+    # the producer's side of the breakdown (`timing/async/*`): before this batch it waited `idle_s` (for the weights
+    # the staleness bound asks for, or for validation holding the engine) and refitted for `refit_s`; its rollout
+    # spent `environment_s` in the environment; `queue_depth` batches were ready when the trainer asked for it
+    idle_s: float = 0.0
+    refit_s: float = 0.0
+    environment_s: float = 0.0
+    queue_depth: int = 0
 
 
 @dataclass
@@ -180,6 +188,7 @@ class RolloutProducer:
     def take(self, index: int) -> ProducedBatch:
         """Wait for batch `index` and hand it over (it leaves the producer's books; the step owns its keys)."""
         with self._cond:
+            depth = len(self._ready)  # produced and waiting (0: the trainer waits for this one)
             self._wanted = index  # an optional `after_rollout` is left to the trainer while it waits
             deadlines.wait_for(
                 self._cond,
@@ -189,7 +198,9 @@ class RolloutProducer:
             self._wanted = None
             if index not in self._ready:
                 self._raise_died(f"batch {index} was never produced")
-            return self._ready.pop(index)
+            produced = self._ready.pop(index)
+            produced.queue_depth = depth
+            return produced
 
     def next_announcement(self) -> tuple[int, int | None, BatchedDataDict] | None:
         """The next drawn batch `(epoch, index, prompts)` or epoch end `(epoch, None, _)`; None once production ended."""
@@ -264,6 +275,7 @@ class RolloutProducer:
                 if index > self.max_index or self._epoch >= self.max_epochs:
                     break
                 need = self.version_for(index)
+                idle_start = time.perf_counter()
                 with self._cond:
                     self._waiting_for = need
                     self._cond.notify_all()
@@ -271,6 +283,7 @@ class RolloutProducer:
                     self._waiting_for = None
                     if self._stopping:
                         break
+                idle_s = time.perf_counter() - idle_start
                 if batches is None:
                     batches = iter(self.loader)
                 try:
@@ -286,9 +299,13 @@ class RolloutProducer:
                     self._loader_state = self.loader.state_dict()
                     self._announced.append((self._epoch, index, batch))
                     self._cond.notify_all()
+                locking = time.perf_counter()
                 with self._engine_lock, self._own_stream():
+                    refit_start = time.perf_counter()  # waiting for the lock: validation held the engine
                     self._refit(need)
+                    refit_s = time.perf_counter() - refit_start
                     produced = self._generate(index, batch, need)
+                produced.idle_s, produced.refit_s = idle_s + refit_start - locking, refit_s
                 with self._cond:
                     self._ready[index] = produced
                     self._next_index = index + 1
@@ -349,6 +366,7 @@ class RolloutProducer:
             text_rows=self.cfg.logger.num_train_samples_to_log,
             row_tags={"weight_version": version},
         )
+        timings = pop_rollout_timings(rollout_metrics)  # the rollout's clock, not a training metric
         if self.after_rollout is not None and not (self.after_rollout_optional and self._wanted == index):
             meta = self.after_rollout(meta)  # work that does not depend on training (the reference pass)
         rows = None if self.flight_rows is None else self.flight_rows(meta)
@@ -363,6 +381,7 @@ class RolloutProducer:
             generation_s=time.perf_counter() - start,
             generation_cpu_s=time.thread_time() + self._engine_cpu() - cpu_start,
             flight_rows=rows,
+            environment_s=timings.get("environment", 0.0),
         )
 
 

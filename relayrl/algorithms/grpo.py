@@ -137,8 +137,8 @@ class GRPOSteps:
         self.kv_sync.before_first_refit(repeated)
         repeated, rollout_metrics = self._generate(repeated)
         repeated["env_reward"] = repeated["total_reward"]  # [B] before shaping: the flight recorder's reward_env
-        self._guard_rewards(repeated, step)
         with timer.time("reward_calculation"):
+            self._guard_rewards(repeated, step)
             rewards, baseline, std = self._rewards(repeated)
         with timer.time("dynamic_sampling"):  # drop zero-std groups, accumulate survivors across generation batches
             self.pending_rewards.append(rewards)
@@ -152,18 +152,18 @@ class GRPOSteps:
         rewards = train_batch.get("filtered_reward", train_batch["total_reward"])
         with timer.time("data_processing"):
             train_data, flat = self._train_data(train_batch)
-        with timer.time("policy_and_reference_logprobs"):
-            self._logprobs(train_data)
+        self._logprobs(train_data)  # timed as prev_logprobs and reference
         seq_err_metrics: dict[str, float] = {}
         if not self.skip_prev:  # sequence-level logprob-error metrics and optional masking
-            train_data["sample_mask"], seq_err_metrics = compute_seq_logprob_error_metrics(
-                train_data["token_mask"],
-                train_data["sample_mask"],
-                train_data["prev_logprobs"],
-                train_data["generation_logprobs"],
-                rewards,
-                g.seq_logprob_error_threshold,
-            )
+            with timer.time("prev_logprobs"):
+                train_data["sample_mask"], seq_err_metrics = compute_seq_logprob_error_metrics(
+                    train_data["token_mask"],
+                    train_data["sample_mask"],
+                    train_data["prev_logprobs"],
+                    train_data["generation_logprobs"],
+                    rewards,
+                    g.seq_logprob_error_threshold,
+                )
         with timer.time("advantage_calculation"):
             mask = train_data["token_mask"] * train_data["sample_mask"].unsqueeze(-1)  # [B, S]
             train_data["advantages"] = self._advantages(train_batch, train_data, flat, rewards, mask)  # [B, S]
@@ -187,21 +187,22 @@ class GRPOSteps:
                     rollout_metrics,
                     g.num_generations_per_prompt,
                 )
-        metrics = step_metrics(
-            train_results=train_results,
-            reward_for_log=reward_for_log,
-            filtered_reward=train_batch.get("filtered_reward"),
-            prompt_lengths=train_batch["length"],
-            input_lengths=train_data["input_lengths"],
-            adv_metrics=advantage_metrics(train_data["advantages"], mask, train_batch["baseline"]),
-            rollout_metrics=rollout_metrics,
-            seq_err_metrics=seq_err_metrics,
-            ds_metrics=ds_metrics,
-        )
-        metrics["driver_bytes"] = float(driver_nbytes(train_data))  # the legacy path moves every byte through here
-        if self.skipped:
-            metrics["non_finite_samples_skipped"], self.skipped = float(self.skipped), 0
-        return StepOutput(metrics, message_log_sample_rows(train_batch["message_log"], rewards, step, self.cfg))
+        with timer.time("logging"):  # the step's metrics and sample rows
+            metrics = step_metrics(
+                train_results=train_results,
+                reward_for_log=reward_for_log,
+                filtered_reward=train_batch.get("filtered_reward"),
+                prompt_lengths=train_batch["length"],
+                input_lengths=train_data["input_lengths"],
+                adv_metrics=advantage_metrics(train_data["advantages"], mask, train_batch["baseline"]),
+                rollout_metrics=rollout_metrics,
+                seq_err_metrics=seq_err_metrics,
+                ds_metrics=ds_metrics,
+            )
+            metrics["driver_bytes"] = float(driver_nbytes(train_data))  # the legacy path moves every byte through here
+            if self.skipped:
+                metrics["non_finite_samples_skipped"], self.skipped = float(self.skipped), 0
+            return StepOutput(metrics, message_log_sample_rows(train_batch["message_log"], rewards, step, self.cfg))
 
     def _guard_rewards(self, repeated: BatchedDataDict, step: int) -> None:
         """Stop on a non-finite reward, or take its prompt's group out of the loss (`non_finite: skip`)."""
@@ -257,13 +258,18 @@ class GRPOSteps:
         return train_data, flat
 
     def _logprobs(self, train_data: BatchedDataDict) -> None:
-        """Previous-policy and reference log-probs [B, S]; a skipped pass reads as zeros."""
-        if not (self.skip_prev and self.skip_ref):
-            self.policy.prepare_for_lp_inference()
-        lp_data = train_data.select_keys(["input_ids", "input_lengths", "token_mask", "sample_mask"])
-        zeros = torch.zeros_like(train_data["generation_logprobs"])
-        prev_lp = zeros if self.skip_prev else self.policy.get_logprobs(lp_data)["logprobs"]
-        ref_lp = zeros if self.skip_ref else self.policy.get_reference_policy_logprobs(lp_data)["reference_logprobs"]
+        """Previous-policy and reference log-probs [B, S], timed as `prev_logprobs` and `reference`; a skipped pass
+        reads as zeros."""
+        with self.timer.time("prev_logprobs"):
+            if not (self.skip_prev and self.skip_ref):
+                self.policy.prepare_for_lp_inference()
+            lp_data = train_data.select_keys(["input_ids", "input_lengths", "token_mask", "sample_mask"])
+            zeros = torch.zeros_like(train_data["generation_logprobs"])
+            prev_lp = zeros if self.skip_prev else self.policy.get_logprobs(lp_data)["logprobs"]
+        with self.timer.time("reference"):
+            ref_lp = (
+                zeros if self.skip_ref else self.policy.get_reference_policy_logprobs(lp_data)["reference_logprobs"]
+            )
         train_data["prev_logprobs"] = prev_lp  # [B, S]
         train_data["reference_policy_logprobs"] = ref_lp  # [B, S]
 

@@ -182,10 +182,12 @@ class GRPOSyncSteps:
         )
         self.carry_bytes += rollout.carry_bytes  # what crossed to the driver: the carry's smallest exact form
         meta, carry, rollout_metrics = rollout.meta, rollout.carry, rollout.metrics
-        carry["total_reward"], drop = guard_rewards(carry["total_reward"], g.num_generations_per_prompt, self.cfg, step)
-        if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
-            carry["non_finite_drop"] = drop
         with timer.time("reward_calculation"):  # on the carry only
+            carry["total_reward"], drop = guard_rewards(
+                carry["total_reward"], g.num_generations_per_prompt, self.cfg, step
+            )
+            if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
+                carry["non_finite_drop"] = drop
             rewards = self._rewards(meta, carry)
         ds_metrics: dict[str, float] = {}
         with timer.time("dynamic_sampling"):  # filter on tags without fetching; dropped keys leave the store at once
@@ -199,18 +201,20 @@ class GRPOSyncSteps:
         rewards = carry.get("filtered_reward", carry["total_reward"])
         with timer.time("data_processing"):  # overlong filtering: the store gets the per-row mask if it changed
             sample_mask, stored_mask = self._sample_mask(meta, carry)
-        with timer.time("policy_and_reference_logprobs"):  # computed and written back by the workers
+        with timer.time("prev_logprobs"):  # computed and written back by the workers
             if not (self.skip_prev and self.skip_ref):
                 self.policy.prepare_for_lp_inference()
             if not self.skip_prev:
                 self.policy.get_logprobs_from_meta(meta, timer=timer)
+        with timer.time("reference"):
             if not self.skip_ref and not rollout.reference_in_store:
                 self.policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
         seq_err_metrics: dict[str, float] = {}
         if not self.skip_prev:  # reduced per row on the workers: [B] floats reach the driver, not [B, S] columns
-            sample_mask, seq_err_metrics = worker_seq_logprob_error_metrics(
-                self.policy, meta, sample_mask, rewards, g.seq_logprob_error_threshold
-            )
+            with timer.time("prev_logprobs"):
+                sample_mask, seq_err_metrics = worker_seq_logprob_error_metrics(
+                    self.policy, meta, sample_mask, rewards, g.seq_logprob_error_threshold
+                )
         with timer.time("advantage_calculation"):
             adv_metrics = self._advantages(meta, carry, rewards, sample_mask, stored_mask)
             guard_finite("advantages", list(adv_metrics.values()), step)
@@ -229,23 +233,28 @@ class GRPOSyncSteps:
                     step, self.train_fields, cols, self.recorder.info(step, rollout_metrics)
                 )
                 self.source.record(meta, request)
-        self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
-        metrics = step_metrics(
-            train_results=train_results,
-            reward_for_log=reward_for_log,
-            filtered_reward=carry.get("filtered_reward"),
-            prompt_lengths=carry["length"],
-            input_lengths=torch.tensor(meta.sequence_lengths or [], dtype=torch.long),
-            adv_metrics=adv_metrics,
-            rollout_metrics=rollout_metrics,
-            seq_err_metrics=seq_err_metrics,
-            ds_metrics=ds_metrics,
-        )
-        self._byte_metrics(meta, metrics, step)
-        if "non_finite_drop" in carry:
-            metrics["non_finite_samples_skipped"] = float(carry["non_finite_drop"].sum())
-        self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
-        samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
+        with timer.time("data_plane"):
+            self.policy.finish_step(meta)  # clears every key of the step; a leftover key is an error
+        with timer.time("logging"):  # the step's metrics
+            metrics = step_metrics(
+                train_results=train_results,
+                reward_for_log=reward_for_log,
+                filtered_reward=carry.get("filtered_reward"),
+                prompt_lengths=carry["length"],
+                input_lengths=torch.tensor(meta.sequence_lengths or [], dtype=torch.long),
+                adv_metrics=adv_metrics,
+                rollout_metrics=rollout_metrics,
+                seq_err_metrics=seq_err_metrics,
+                ds_metrics=ds_metrics,
+            )
+        with timer.time("data_plane"):  # the step's store counters, merged over every client
+            dp_metrics = self._byte_metrics(meta, metrics)
+        with timer.time("logging"):  # and its sample rows
+            self.logger.log_metrics(dp_metrics, step)
+            if "non_finite_drop" in carry:
+                metrics["non_finite_samples_skipped"] = float(carry["non_finite_drop"].sum())
+            self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
+            samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
         metrics.update(self.source.after_step(step))  # async: weights published, the batch's partition retired
         return StepOutput(metrics, samples)
 
@@ -352,15 +361,16 @@ class GRPOSyncSteps:
         self.policy.write_to_dataplane(meta, columns)
         return adv_metrics
 
-    def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> None:
-        """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle."""
+    def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float]) -> dict[str, float]:
+        """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle.
+        Returns the step's `data_plane/*` metrics."""
         dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self.source.store_metrics()])
         metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + self.carry_bytes)
         metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
         metrics["driver_fraction_of_store_bytes"] = metrics["driver_bytes"] / max(metrics["store_bytes_written"], 1.0)
         # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
         metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
-        self.logger.log_metrics(dp_metrics, step)
+        return dp_metrics
 
 
 def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:

@@ -135,12 +135,12 @@ class PPOSteps:
             prompt_ids = prompt_flat["token_ids"]  # [B, P]
         self.kv_sync.before_first_refit(repeated)
         repeated, rollout_metrics = self._generate(repeated)
-        repeated["total_reward"], drop = guard_rewards(
-            repeated["total_reward"], p.num_generations_per_prompt, self.cfg, step
-        )
-        if drop is not None:  # non_finite: skip
-            repeated["loss_multiplier"] = repeated["loss_multiplier"].masked_fill(drop, 0)
         with timer.time("reward_calculation"):
+            repeated["total_reward"], drop = guard_rewards(
+                repeated["total_reward"], p.num_generations_per_prompt, self.cfg, step
+            )
+            if drop is not None:  # non_finite: skip
+                repeated["loss_multiplier"] = repeated["loss_multiplier"].masked_fill(drop, 0)
             lengths = functools.partial(first_assistant_lengths, repeated["message_log"])
             rewards, _ = post_process_rewards(repeated["total_reward"], repeated["truncated"], lengths, p)  # [B]
         with timer.time("data_processing"):
@@ -149,16 +149,16 @@ class PPOSteps:
             value.prepare_for_inference()
             train_data["values"] = value.get_values(train_data.select_keys(["input_ids", "input_lengths"]))["values"]
             value.finish_inference()
-        with timer.time("policy_and_reference_logprobs"):
-            self._logprobs(train_data)
-        train_data["sample_mask"], seq_err_metrics = compute_seq_logprob_error_metrics(
-            train_data["token_mask"],
-            train_data["sample_mask"],
-            train_data["prev_logprobs"],
-            train_data["generation_logprobs"],
-            rewards,
-            p.seq_logprob_error_threshold,
-        )
+        self._logprobs(train_data)  # timed as prev_logprobs and reference
+        with timer.time("prev_logprobs"):
+            train_data["sample_mask"], seq_err_metrics = compute_seq_logprob_error_metrics(
+                train_data["token_mask"],
+                train_data["sample_mask"],
+                train_data["prev_logprobs"],
+                train_data["generation_logprobs"],
+                rewards,
+                p.seq_logprob_error_threshold,
+            )
         with timer.time("advantage_calculation"):  # advantages and critic targets
             mask = train_data["token_mask"] * train_data["sample_mask"].unsqueeze(-1)  # [B, S]
             require_valid_tokens(mask)
@@ -184,36 +184,40 @@ class PPOSteps:
             lambda: policy.train(train_data, self.loss_fn),
         )
         self.kv_sync.after_training(lambda: train_data.select_keys(["input_ids", "input_lengths"]))
-        metrics.update(
-            driver_bytes=float(driver_nbytes(train_data)),  # the legacy path moves every byte through the driver
-            **ppo_step_metrics(
-                rewards,
-                repeated["length"],
-                float(train_data["input_lengths"].sum()),
-                train_policy,
-                advantage_value_metrics(advantages, returns, train_data["values"], mask),
-                rollout_metrics,
-                seq_err_metrics,
-                filter_metrics,
-            ),
-        )
-        self.logger.log_metrics(critic_metrics, step, prefix="critic")
-        samples = message_log_sample_rows(repeated["message_log"], rewards, step, self.cfg)
-        if drop is not None:
-            metrics["non_finite_samples_skipped"] = float(drop.sum())
-        return StepOutput(metrics, samples, {"critic": critic_metrics})
+        with timer.time("logging"):  # the step's metrics and sample rows
+            metrics.update(
+                driver_bytes=float(driver_nbytes(train_data)),  # the legacy path moves every byte through the driver
+                **ppo_step_metrics(
+                    rewards,
+                    repeated["length"],
+                    float(train_data["input_lengths"].sum()),
+                    train_policy,
+                    advantage_value_metrics(advantages, returns, train_data["values"], mask),
+                    rollout_metrics,
+                    seq_err_metrics,
+                    filter_metrics,
+                ),
+            )
+            self.logger.log_metrics(critic_metrics, step, prefix="critic")
+            samples = message_log_sample_rows(repeated["message_log"], rewards, step, self.cfg)
+            if drop is not None:
+                metrics["non_finite_samples_skipped"] = float(drop.sum())
+            return StepOutput(metrics, samples, {"critic": critic_metrics})
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[BatchedDataDict, dict[str, float]]:
         return rollout_in_driver(self.generation, self.timer, repeated, self.tokenizer, self.task_to_env, self.cfg)
 
     def _logprobs(self, train_data: BatchedDataDict) -> None:
-        """Previous-policy and reference log-probs [B, S]; a skipped reference reads as zeros."""
-        self.policy.prepare_for_lp_inference()
-        lp_data = train_data.select_keys(["input_ids", "input_lengths", "token_mask", "sample_mask"])
-        prev_lp = self.policy.get_logprobs(lp_data)["logprobs"]  # [B, S]
-        ref_lp = torch.zeros_like(prev_lp)  # [B, S]
-        if not self.skip_ref:
-            ref_lp = self.policy.get_reference_policy_logprobs(lp_data)["reference_logprobs"]
+        """Previous-policy and reference log-probs [B, S], timed as `prev_logprobs` and `reference`; a skipped
+        reference reads as zeros."""
+        with self.timer.time("prev_logprobs"):
+            self.policy.prepare_for_lp_inference()
+            lp_data = train_data.select_keys(["input_ids", "input_lengths", "token_mask", "sample_mask"])
+            prev_lp = self.policy.get_logprobs(lp_data)["logprobs"]  # [B, S]
+        with self.timer.time("reference"):
+            ref_lp = torch.zeros_like(prev_lp)  # [B, S]
+            if not self.skip_ref:
+                ref_lp = self.policy.get_reference_policy_logprobs(lp_data)["reference_logprobs"]
         train_data["prev_logprobs"] = prev_lp
         train_data["reference_policy_logprobs"] = ref_lp
 

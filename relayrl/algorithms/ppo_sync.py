@@ -154,10 +154,12 @@ class PPOSyncSteps:
         timer, p, policy, value = self.timer, self.p, self.policy, self.value
         rollout = self.source.next(batch, step, first_batch=True, step_starts=True)
         meta, carry, rollout_metrics = rollout.meta, rollout.carry, rollout.metrics
-        carry["total_reward"], drop = guard_rewards(carry["total_reward"], p.num_generations_per_prompt, self.cfg, step)
-        if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
-            carry["non_finite_drop"] = drop
         with timer.time("reward_calculation"):
+            carry["total_reward"], drop = guard_rewards(
+                carry["total_reward"], p.num_generations_per_prompt, self.cfg, step
+            )
+            if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
+                carry["non_finite_drop"] = drop
             lengths = functools.partial(carry.__getitem__, "response_token_lengths")
             rewards, _ = post_process_rewards(carry["total_reward"], carry["truncated"], lengths, p)  # [B]
         with timer.time("data_processing"):  # the workers read the per-row sample mask and rewards from the store
@@ -166,14 +168,16 @@ class PPOSyncSteps:
             value.prepare_for_inference()
             value.get_values_from_meta(meta, timer=timer)
             value.finish_inference()
-        with timer.time("policy_and_reference_logprobs"):
+        with timer.time("prev_logprobs"):
             policy.prepare_for_lp_inference()
             policy.get_logprobs_from_meta(meta, timer=timer)
+        with timer.time("reference"):
             if not self.skip_ref:
                 policy.get_reference_policy_logprobs_from_meta(meta, timer=timer)
-        new_mask, seq_err_metrics = worker_seq_logprob_error_metrics(
-            policy, meta, sample_mask, rewards, p.seq_logprob_error_threshold
-        )
+        with timer.time("prev_logprobs"):
+            new_mask, seq_err_metrics = worker_seq_logprob_error_metrics(
+                policy, meta, sample_mask, rewards, p.seq_logprob_error_threshold
+            )
         with timer.time("advantage_calculation"):  # GAE on the critic's workers, written back as columns
             require_valid_tokens(carry["loss_token_counts"] * (new_mask != 0))  # [B] loss tokens per row
             if not torch.equal(new_mask, sample_mask):
@@ -201,28 +205,30 @@ class PPOSyncSteps:
                 self.source.record(
                     meta, self.recorder.request(step, fields, self.recorder.driver_columns(step, rewards), info)
                 )
-        value.finish_step(meta)  # clears every key of the step; a leftover key is an error
-        dp_metrics = _step_bytes(policy, value, self.source, rollout.carry_bytes)
-        metrics.update(
-            driver_bytes=dp_metrics["data_plane/step/driver_bytes"],
-            store_bytes_written=dp_metrics["data_plane/step/store_bytes_written"],
-            driver_fraction_of_store_bytes=dp_metrics["data_plane/step/driver_fraction_of_store_bytes"],
-            **ppo_step_metrics(
-                rewards,
-                carry["length"],
-                float(sum(meta.sequence_lengths or [])),
-                train_policy,
-                adv_metrics,
-                rollout_metrics,
-                seq_err_metrics,
-                filter_metrics,
-            ),
-        )
-        self.logger.log_metrics(dp_metrics, step)
-        samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
-        self.logger.log_metrics(critic_metrics, step, prefix="critic")
-        if drop is not None:
-            metrics["non_finite_samples_skipped"] = float(drop.sum())
+        with timer.time("data_plane"):
+            value.finish_step(meta)  # clears every key of the step; a leftover key is an error
+            dp_metrics = _step_bytes(policy, value, self.source, rollout.carry_bytes)
+        with timer.time("logging"):  # the step's metrics and sample rows
+            metrics.update(
+                driver_bytes=dp_metrics["data_plane/step/driver_bytes"],
+                store_bytes_written=dp_metrics["data_plane/step/store_bytes_written"],
+                driver_fraction_of_store_bytes=dp_metrics["data_plane/step/driver_fraction_of_store_bytes"],
+                **ppo_step_metrics(
+                    rewards,
+                    carry["length"],
+                    float(sum(meta.sequence_lengths or [])),
+                    train_policy,
+                    adv_metrics,
+                    rollout_metrics,
+                    seq_err_metrics,
+                    filter_metrics,
+                ),
+            )
+            self.logger.log_metrics(dp_metrics, step)
+            samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
+            self.logger.log_metrics(critic_metrics, step, prefix="critic")
+            if drop is not None:
+                metrics["non_finite_samples_skipped"] = float(drop.sum())
         metrics.update(self.source.after_step(step))
         return StepOutput(metrics, samples, {"critic": critic_metrics})
 

@@ -3,7 +3,7 @@
 `ProducerSource` is what makes `GRPOSyncSteps` the asynchronous trainer (`grpo_async.grpo_train_async`): the step's
 phases are the synchronous ones, and around them this source
 - claims the step's batch from the producer (`async_rollouts.RolloutProducer`): it waits for it (timed as
-  `exposed_generation`), confirms it through the store's task-mediated claim in prompt order, and hands over its
+  `waiting`), confirms it through the store's task-mediated claim in prompt order, and hands over its
   carry, its metrics and whether the producer already wrote the reference log-probs;
 - after the step, retires the batch's partition (the step cleared its keys), publishes the new weights to the
   producer (copied only when a future batch will use them) and reports the samples' age (`async/*`);
@@ -133,22 +133,24 @@ class ProducerSource:
     def next(self, batch: BatchedDataDict, step: int, *, first_batch: bool, step_starts: bool) -> Rollout:
         """Wait for the batch made for `step` (exposed generation), confirm it through the store's task-mediated
         claim in prompt order, and take its carry. `batch` (its prompts) was rolled out by the producer already."""
-        with self.timer.time("exposed_generation"):
+        with self.timer.time("waiting"):  # exposed generation: the producer has not made the batch yet
             produced = self.producer.take(step)
         meta = produced.meta
-        claimed = self.policy.dp_client.claim_meta(
-            meta.partition_id, CLAIM_TASK, list(meta.fields or []), meta.size, blocking=False
-        )
-        if claimed.keys != meta.keys:
-            raise RuntimeError(
-                f"async claim of batch {produced.index} returned {claimed.size} keys not in prompt order "
-                f"(expected {meta.size})"
+        with self.timer.time("data_plane"):
+            claimed = self.policy.dp_client.claim_meta(
+                meta.partition_id, CLAIM_TASK, list(meta.fields or []), meta.size, blocking=False
             )
-        self.policy.data_plane_metrics(reset=True)  # this step's byte counters start here
+            if claimed.keys != meta.keys:
+                raise RuntimeError(
+                    f"async claim of batch {produced.index} returned {claimed.size} keys not in prompt order "
+                    f"(expected {meta.size})"
+                )
+            self.policy.data_plane_metrics(reset=True)  # this step's byte counters start here
         self._batch = produced
         # `reference_pass=auto`: the producer left the pass to this step if the step was already waiting for the batch
         in_store = REFERENCE_POLICY_LOGPROBS in (meta.fields or [])
-        return received(meta, produced.wire_carry, produced.rollout_metrics, reference_in_store=in_store)
+        with self.timer.time("data_processing"):
+            return received(meta, produced.wire_carry, produced.rollout_metrics, reference_in_store=in_store)
 
     def record(self, meta: KVBatchMeta, request: RecordRequest) -> None:
         """The producer rolled the batch out and holds its rows; the store is read through the trainer's actor (on
@@ -169,15 +171,21 @@ class ProducerSource:
         staleness (and, under `timing/async`, the producer's own clock for the batch)."""
         produced = self._batch
         assert produced is not None  # no dynamic sampling in async mode: every claimed batch completes its step
-        self.policy.dp_client.drop_partition(produced.meta.partition_id)
+        with self.timer.time("data_plane"):
+            self.policy.dp_client.drop_partition(produced.meta.partition_id)
         self._publish(step)
         metrics = self._staleness_metrics(step, produced)
         producer = {  # overlapped with an earlier step's training
             "producer_generation": produced.generation_s,
             "producer_cpu": produced.generation_cpu_s,  # its thread and its generation process
             "reference_in_producer": float(REFERENCE_POLICY_LOGPROBS in (produced.meta.fields or [])),
+            "producer_idle": produced.idle_s,  # waiting for weights (the staleness bound) or for the engine
+            "producer_refit": produced.refit_s,
+            "producer_environment": produced.environment_s,  # inside producer_generation
+            "queue_depth": float(produced.queue_depth),  # batches ready when the step asked (0: it waited)
         }
-        self.logger.log_metrics(producer, step, prefix="timing/async")
+        with self.timer.time("logging"):
+            self.logger.log_metrics(producer, step, prefix="timing/async")
         self._batch = None
         return metrics
 
@@ -223,10 +231,10 @@ class ProducerSource:
         """Weights after `step` optimizer steps go to the producer, copied only if a future batch uses them."""
         needed = step + 1 + self.age_bound <= self.cfg.grpo.max_num_steps
         weights = None
-        if needed:
-            with self.timer.time("weight_publish"):
+        with self.timer.time("refit"):  # the trainer's side of the producer's refit: the snapshot it loads
+            if needed:
                 weights = self.side.snapshot()
-        self.producer.publish(step, weights)
+            self.producer.publish(step, weights)
 
     def _staleness_metrics(self, step: int, produced: ProducedBatch) -> dict[str, float]:
         """Age (trainer version - generating version) of the step's groups, as mean, max and a histogram."""

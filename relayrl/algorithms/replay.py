@@ -46,7 +46,7 @@ from relayrl.experience.flight_recorder import RecordRequest
 from relayrl.utils.checkpoint_read import read_checkpoint
 from relayrl.utils.config_io import load_config
 from relayrl.utils.jsonl import read_jsonl
-from relayrl.utils.timer import Timer
+from relayrl.utils.timer import TOTAL, UNACCOUNTED, Timer, phase_remainder
 
 #: Metrics that measure time, not training: never compared.
 _TIMED = ("valid_tokens_per_sec",)
@@ -125,12 +125,16 @@ class RecordedSource:
     def next(self, batch: BatchedDataDict, step: int, *, first_batch: bool, step_starts: bool) -> Rollout:
         spec = self.spec
         prepare_rollout(batch, spec.group_size, self.timer, self.kv_sync, self.generation)  # an empty batch
-        with self.timer.time("generation"):
-            if step_starts:
+        timer = self.timer
+        if step_starts:
+            with timer.time("data_plane"):
                 self.start_step(self.client.metrics(reset=True))
-            table = self.tables.pop(0)
+        table = self.tables.pop(0)
+        with timer.time("data_plane"):  # the recorded rows into the store: what the actor's rollout wrote
             meta, loss_multiplier, metrics = self._write(table)
+        with timer.time("generation"):  # nothing is generated; the engine is released as after a rollout
             self.generation.finish_generation()
+        with timer.time("data_processing"):
             carry = self._carry(table, loss_multiplier)
             return received(meta, encode_carry(carry, spec.group_size), metrics)  # the bytes the actor's carry had
 
@@ -261,12 +265,15 @@ def replay_run(
         )
         try:
             for step in steps:
-                timer.start("total_step_time")
+                timer.start(TOTAL)
                 result = trainer.step(BatchedDataDict(), step)
-                timer.stop("total_step_time")
                 assert result is not None  # no dynamic sampling: every batch completes a step
-                c.logger.log_metrics(result.metrics, step, prefix="train")
-                c.logger.log_metrics(timer.get_timing_metrics("sum"), step, prefix="timing/train")
+                with timer.time("logging"):
+                    c.logger.log_metrics(result.metrics, step, prefix="train")
+                timer.stop(TOTAL)
+                timing = timer.get_timing_metrics("sum")
+                timing[UNACCOUNTED] = phase_remainder(timing)
+                c.logger.log_metrics(timing, step, prefix="timing/train")
                 timer.reset()
         finally:
             trainer.close()

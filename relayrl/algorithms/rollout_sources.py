@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayrl.algorithms.protocols import Generation, Rollout, RolloutActor
-from relayrl.algorithms.trainer_common import KvScaleSync
+from relayrl.algorithms.trainer_common import KvScaleSync, split_rollout_timings
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.carry_wire import decode_carry, wire_nbytes
@@ -45,11 +45,11 @@ def prepare_rollout(
     batch: BatchedDataDict, group_size: int, timer: Timer, kv_sync: KvScaleSync, generation: Generation
 ) -> BatchedDataDict:
     """The phases before a rollout, each under its timer: repeat each prompt `group_size` times (the actor flattens
-    prompts into group ids), FP8 KV calibration before the first refit, waking the engine. Returns the repeated batch."""
+    prompts into group ids), FP8 KV calibration before the first refit, waking the engine (the refit). Returns the repeated batch."""
     with timer.time("data_processing"):
         repeated = batch.repeat_interleave(group_size)
     kv_sync.before_first_refit(repeated)
-    with timer.time("prepare_for_generation/total"):
+    with timer.time("refit"):  # the engine syncs to the policy's weights here
         generation.prepare_for_generation()
     return repeated
 
@@ -83,9 +83,10 @@ class ActorSource:
     def next(self, batch: BatchedDataDict, step: int, *, first_batch: bool, step_starts: bool) -> Rollout:
         spec = self.spec
         repeated = prepare_rollout(batch, spec.group_size, self.timer, self.kv_sync, self.generation)
-        with self.timer.time("generation"):
-            if step_starts:
+        if step_starts:
+            with self.timer.time("data_plane"):  # the step's counters start over, its partition is prepared
                 self.start_step(self.actor.data_plane_metrics(reset=True))
+        with self.timer.time("generation"):
             meta, wire_carry, metrics = self.actor.rollout_to_tq(
                 repeated,
                 partition_id=spec.partition_id,
@@ -94,6 +95,8 @@ class ActorSource:
                 carry_keys=spec.carry_keys,
                 text_rows=spec.text_rows,
             )
+        split_rollout_timings(self.timer, "generation", metrics)  # the environment's and the store's seconds
+        with self.timer.time("data_processing"):
             return received(meta, wire_carry, metrics)
 
     def record(self, meta: KVBatchMeta, request: RecordRequest) -> None:

@@ -23,7 +23,7 @@ from relayrl.utils.checkpoint import DATALOADER_STATE, RNG_STATE, GRPOSaveState,
 from relayrl.utils.seeding import capture_rng_state
 from relayrl.utils.signals import GracefulStop, TrainingInterrupted
 from relayrl.utils.state_file import save_state_file
-from relayrl.utils.timer import TimeoutChecker, Timer
+from relayrl.utils.timer import TOTAL, UNACCOUNTED, TimeoutChecker, Timer, phase_remainder
 
 __all__ = [
     "CheckpointIncompleteError",
@@ -93,16 +93,17 @@ def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
                 val_metrics = trainer.validate(0)
                 if early_stop_reached(val_metrics, cfg):
                     return {"validation": val_metrics}
+            timer.reset()  # what validation at start timed (FP8 calibration) is no step's phase
             last: dict[str, object] = {}
             while state.current_epoch < r.max_num_epochs and state.total_steps < r.max_num_steps:
                 for batch in parts.dataloader:
                     if stop.requested is not None:  # asked to stop between steps (or mid dynamic sampling)
                         raise TrainingInterrupted(stop.requested, state.total_steps, saved=False)
                     step = state.total_steps + 1
-                    timer.start("total_step_time")
+                    timer.start(TOTAL)
                     out = trainer.step(batch, step)
                     if out is None:
-                        timer.stop("total_step_time")
+                        timer.stop(TOTAL)
                         continue
                     done, last = tail.finish(
                         step, out.metrics, out.samples, stop_requested=lambda: bool(stop.requested)
@@ -284,7 +285,10 @@ class StepTail:
         p = self.parts
         cfg, state, timer, r = p.cfg, p.state, p.timer, p.cfg.rollout
         is_last = self.is_last_step(step)
-        val_metrics = self.run_validation(step) if should_validate(step, cfg, is_last) else None
+        val_metrics = None
+        if should_validate(step, cfg, is_last):
+            with timer.time("validation"):
+                val_metrics = self.run_validation(step)
         stop_early = val_metrics is not None and early_stop_reached(val_metrics, cfg)
 
         state.total_valid_tokens += int(metrics.get("global_valid_toks", 0))
@@ -293,14 +297,17 @@ class StepTail:
         state.total_steps = step
         self.timeout.mark_iteration()
         out_of_time = self.timeout.check_save()
-        timer.stop("total_step_time")  # the step's work; checkpointing is timed on its own below
-        step_time = max(float(timer.get_timing_metrics("sum")["total_step_time"]), 1e-9)  # type: ignore[arg-type]
+        # throughput counts the step's work up to here (its checkpoint, if it saves one, is not work on samples)
+        step_time = max(timer.elapsed_so_far(TOTAL), 1e-9)
         metrics["valid_tokens_per_sec"] = metrics.get("global_valid_toks", 0.0) / step_time
         # logged before the checkpoint: a run killed right after its checkpoint must not resume past an unlogged step
-        p.logger.log_metrics(metrics, step, prefix="train")
+        with timer.time("logging"):
+            p.logger.log_metrics(metrics, step, prefix="train")
         if is_last or stop_early or out_of_time or stop_requested() or step % cfg.checkpointing.save_period == 0:
             self.save(step, val_metrics or {}, metrics)
+        timer.stop(TOTAL)  # the step ends with its checkpoint: `checkpointing` is one of its phases (STEP_PHASES)
         timing = timer.get_timing_metrics("sum")
+        timing[UNACCOUNTED] = phase_remainder(timing)
         p.logger.log_metrics(timing, step, prefix="timing/train")
         perf = {
             "samples_per_sec": r.rows_per_step / step_time,

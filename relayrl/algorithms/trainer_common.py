@@ -28,7 +28,7 @@ from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
-from relayrl.experience.rollouts import batched_message_log_to_flat_message, run_multi_turn_rollout
+from relayrl.experience.rollouts import batched_message_log_to_flat_message, pop_rollout_timings, run_multi_turn_rollout
 from relayrl.utils.timer import Timer
 
 
@@ -236,7 +236,7 @@ def rollout_in_driver(
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """The legacy trainers' generation phase: wake the engine, roll every row out with the current weights (the
     engine refuses stale ones), put it to sleep. Returns the rolled-out batch and the rollout metrics."""
-    with timer.time("prepare_for_generation/total"):
+    with timer.time("refit"):  # the engine syncs to the policy's weights here
         generation.prepare_for_generation()
     with timer.time("generation"):
         out = run_multi_turn_rollout(
@@ -249,7 +249,15 @@ def rollout_in_driver(
             greedy=False,
         )
         generation.finish_generation()
+    split_rollout_timings(timer, "generation", out[1])
     return out
+
+
+def split_rollout_timings(timer: Timer, label: str, rollout_metrics: dict[str, Any]) -> None:
+    """Move the rollout's own clock (its environment's and store writes' seconds, `pop_rollout_timings`) out of its
+    metrics and out of `label`'s latest duration into phases of their own, so the step's phases stay disjoint."""
+    for phase, seconds in pop_rollout_timings(rollout_metrics).items():
+        timer.split_off(label, phase, seconds)
 
 
 class KvScaleSync:
@@ -281,10 +289,11 @@ class KvScaleSync:
         """Calibrate on the prompts of `batch` (its message logs) unless scales exist already."""
         if not self.enabled or self.scales is not None:
             return
-        flat, lengths = batched_message_log_to_flat_message(
-            batch["message_log"], pad_value_dict={"token_ids": self.pad_id}
-        )
-        self._calibrate(BatchedDataDict(input_ids=flat["token_ids"], input_lengths=lengths))  # [B, P], [B]
+        with self.timer.time("recompute_kv_scales"):  # a step's phase; before validation at step 0, no step's
+            flat, lengths = batched_message_log_to_flat_message(
+                batch["message_log"], pad_value_dict={"token_ids": self.pad_id}
+            )
+            self._calibrate(BatchedDataDict(input_ids=flat["token_ids"], input_lengths=lengths))  # [B, P], [B]
 
     def before_validation(self) -> None:
         """Validation before any step (`val_at_start`): calibrate on the first validation batch's prompts."""

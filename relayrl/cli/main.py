@@ -78,9 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     pa.add_argument("overrides", nargs="*")
 
-    pl = sub.add_parser("plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step")
+    pl = sub.add_parser(
+        "plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step, and each step's time by phase"
+    )
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")
+    pl.add_argument("--breakdown", action="store_true", help="only the stacked chart of each step's time by phase")
     for command in (replay_cli, diff_cli, inspect_cli, export_cli, export_rollouts_cli):  # each adds parser, handler
         command.add_parser(sub)
 
@@ -340,7 +343,7 @@ def _plot(args: argparse.Namespace) -> int:
     from relayrl.utils.plot import plot_run
 
     try:
-        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None)
+        out = plot_run(Path(args.run_dir), Path(args.out) if args.out else None, breakdown_only=args.breakdown)
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc))
     except OSError as exc:  # a read-only run directory, a full disk: where it could not write, and the way out

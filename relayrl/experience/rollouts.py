@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -22,6 +23,18 @@ from relayrl.experience.episodes import end_episodes, episode_envs, observation_
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 
 log = logging.getLogger(__name__)
+
+#: Rollout metrics under this prefix are the rollout's own clock (seconds spent inside it, e.g. in the environment),
+#: not training metrics: the trainer moves them into its phase timers with `pop_rollout_timings` before the metrics
+#: go anywhere else, so the training metrics stay what they were.
+ROLLOUT_TIMING_PREFIX = "timing/"
+
+
+def pop_rollout_timings(metrics: dict[str, Any]) -> dict[str, float]:
+    """Take the `ROLLOUT_TIMING_PREFIX` entries out of `metrics`: {phase: seconds}."""
+    keys = [k for k in metrics if k.startswith(ROLLOUT_TIMING_PREFIX)]
+    return {k.removeprefix(ROLLOUT_TIMING_PREFIX): float(metrics.pop(k)) for k in keys}
+
 
 #: Per-token message keys that flattening concatenates, with the value used for messages that lack the key.
 #: A message without `generation_logprobs` was not sampled (0, as in GenerationOutputSpec); a missing
@@ -87,7 +100,9 @@ def run_multi_turn_rollout(
     active = list(range(n))
     episodic = episode_envs(task_to_env)
     renderer = ChatRenderer(tokenizer) if episodic else None
+    env_start = time.perf_counter()
     chat = start_episodes(batch, episodic, renderer, max_seq_len) if renderer is not None else {}
+    env_s = time.perf_counter() - env_start  # the environment's share of the rollout (episode start, steps, end)
 
     for _ in range(max_rollout_turns):
         if not active:
@@ -128,9 +143,11 @@ def run_multi_turn_rollout(
             gen_lens.append(g)
             gen_tokens[i] += g
 
+        env_start = time.perf_counter()
         env_out = calculate_rewards(
             logs, [batch["task_name"][i] for i in active], [batch["extra_env_info"][i] for i in active], task_to_env
         )
+        env_s += time.perf_counter() - env_start
         total_reward[active] += env_out.rewards.to(torch.float32)
         # One batched tokenizer call for all observations (the same ids as one call each, far less overhead).
         plain = [j for j, o in enumerate(env_out.observations) if "chat" not in o]
@@ -166,7 +183,9 @@ def run_multi_turn_rollout(
         active = [i for i, d, e in zip(active, done, env_done.tolist()) if not (d or e)]
 
     if episodic:  # episodes this loop stopped (turn limit, budget) are scored by their environment
+        env_start = time.perf_counter()
         end_episodes(batch, episodic, [i for i in range(n) if not terminated[i]], total_reward)
+        env_s += time.perf_counter() - env_start
     max_turns_reached = torch.zeros(n, dtype=torch.bool)
     max_turns_reached[active] = True
     truncated = torch.tensor(truncated_rows, dtype=torch.bool)  # [B]
@@ -189,6 +208,7 @@ def run_multi_turn_rollout(
     }
     for env in {id(e): e for e in task_to_env.values()}.values():  # e.g. reward/<name> per reward function
         metrics.update(env.rollout_metrics())
+    metrics[f"{ROLLOUT_TIMING_PREFIX}environment"] = env_s  # the caller's to pop (`pop_rollout_timings`)
     return batch, metrics
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,9 +46,11 @@ from relayrl.environments.interfaces import EnvironmentInterface, MessageLog
 from relayrl.experience.carry_wire import encode_carry
 from relayrl.experience.flight_recorder import RecordRequest, RolloutStash, record_from_store, rollout_rows
 from relayrl.experience.rollouts import (
+    ROLLOUT_TIMING_PREFIX,
     add_token_loss_masks,
     batched_message_log_to_flat_message,
     build_message_advantage_overrides,
+    pop_rollout_timings,
     run_multi_turn_rollout,
     trim_to_last_loss_token,
 )
@@ -204,8 +207,10 @@ class SyncRolloutActor:
             flag_to_advantage=self.flag_to_advantage if partition_id != VAL_PARTITION else None,  # no loss there
         )
         bulk[SAMPLE_MASK] = final["loss_multiplier"].clone().float()  # [B], legacy sample_mask before filtering
+        timings = pop_rollout_timings(rollout_metrics)  # the rollout's clock is not stored with its rows
 
         keys = [sample_key(uid, i) for uid in uid_list for i in range(group_size)]
+        write_start = time.perf_counter()
         meta = first_write(
             bulk,
             keys=keys,
@@ -217,12 +222,14 @@ class SyncRolloutActor:
             tags=None if row_tags is None else [dict(row_tags) for _ in keys],
         )
 
+        timings["data_plane"] = time.perf_counter() - write_start
         if self.flight is not None and partition_id != VAL_PARTITION:
             group = prompt_group_ids(prompt_ids, prompt_lengths)  # [B]
             self.flight.add(partition_id, keys, _flight_rows(final, prompt_lengths, group), reset=first_iter)
         if finish_generation:
             gen.finish_generation()
         carry = self._driver_carry(final, bulk, prompt_ids, prompt_lengths, carry_keys, text_rows)
+        rollout_metrics.update({f"{ROLLOUT_TIMING_PREFIX}{k}": v for k, v in timings.items()})  # the caller's to pop
         return meta, encode_carry(carry, group_size), rollout_metrics
 
     def _driver_carry(

@@ -20,7 +20,7 @@ import pytest
 
 import relayrl
 from relayrl.cli.main import main
-from tests.helpers import metrics_by_step
+from tests.helpers import assert_breakdown_adds_up, metrics_by_step
 
 SMALL = {
     "grpo.num_prompts_per_step": 2,
@@ -104,6 +104,8 @@ def test_environment_class_trains_3_steps_from_the_python_api(runs, char_tokeniz
         calls = m["train/env/tool_calls"] + m["train/env/invalid_tool_calls"]
         assert 1.0 <= m["train/avg_turns_per_sample"] <= 2.0 and calls >= 4 * (m["train/avg_turns_per_sample"] - 1)
     assert sum(m["train/env/tool_calls"] for m in steps.values()) > 0  # the tool ran
+    for run in runs.values():  # tool calls and episode resets are the `environment` phase, on both trainers
+        assert assert_breakdown_adds_up(run, timed=("generation", "environment")) == 3
     assert sum(m["train/env/invalid_tool_calls"] for m in steps.values()) > 0  # malformed calls were counted
     marker = char_tokenizer("<|tool|>", add_special_tokens=False)[
         "input_ids"

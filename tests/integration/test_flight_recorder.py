@@ -15,6 +15,7 @@ import pytest
 
 from relayrl.cli.main import main
 from relayrl.data_plane.recorder import recorded_steps
+from tests.helpers import assert_breakdown_adds_up
 
 STEPS = 3
 BASE = (
@@ -81,6 +82,7 @@ def test_replay_equals_the_recorded_metrics(runs, tmp_path, capsys):
     assert "train/* values equal the recorded run's" in capsys.readouterr().out
     recorded, replayed = _train_metrics(runs["a"] / "metrics.jsonl"), _train_metrics(out / "metrics.jsonl")
     assert sorted(replayed) == [2, 3]
+    assert assert_breakdown_adds_up(out, timed=("data_plane", "policy_training")) == 2
     for step in (2, 3):
         want = {k: v for k, v in recorded[step].items() if not k.endswith("per_sec")}
         got = {k: v for k, v in replayed[step].items() if not k.endswith("per_sec")}

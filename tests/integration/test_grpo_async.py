@@ -15,7 +15,13 @@ from relayrl.algorithms import async_rollouts
 from relayrl.algorithms.async_state import ASYNC_STATE
 from relayrl.cli.main import main
 from relayrl.utils.state_file import load_state_file
-from tests.helpers import EXACT_RUN, metrics_by_step, sigkill_after_checkpoint, tiny_grpo_overrides
+from tests.helpers import (
+    EXACT_RUN,
+    assert_breakdown_adds_up,
+    metrics_by_step,
+    sigkill_after_checkpoint,
+    tiny_grpo_overrides,
+)
 
 STEPS = 4
 ASYNC = ("grpo.async_grpo.enabled=true",)
@@ -54,6 +60,14 @@ def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
     a = _run(tmp_path, tiny_model_dir, "a", *ASYNC)
     b = _run(tmp_path, tiny_model_dir, "b", *ASYNC)
     assert a == b
+    assert (
+        assert_breakdown_adds_up(tmp_path / "a", timed=("waiting", "refit", "policy_training")) == STEPS
+    )  # the trainer's wait for the producer is a phase
+    producer = metrics_by_step(tmp_path / "a", ("timing/async/",), skip=())
+    assert sorted(producer) == list(range(1, STEPS + 1))
+    for step, m in producer.items():  # the producer's side: its idle time (staleness bound) and the queue it left
+        assert m["timing/async/producer_idle"] >= 0.0 and m["timing/async/queue_depth"] in (0.0, 1.0, 2.0), (step, m)
+        assert 0.0 < m["timing/async/producer_environment"] < m["timing/async/producer_generation"], (step, m)
     # the generation process samples exactly what an engine in the producer thread samples; the reference pass gives
     # the same values on either side (so `reference_pass=auto`, which picks a side by timing, cannot change a run)
     assert _run(tmp_path, tiny_model_dir, "thread", *ASYNC, "grpo.async_grpo.generator=thread") == a

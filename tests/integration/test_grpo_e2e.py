@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.cli.main import main
-from tests.helpers import metrics_rows, tiny_grpo_overrides
+from tests.helpers import assert_breakdown_adds_up, metrics_rows, tiny_grpo_overrides
 
 
 def _tiny_overrides(model_dir: Path, steps: int) -> list[str]:
@@ -32,6 +32,9 @@ def test_three_grpo_steps_then_resume_plot_evaluate(tmp_path, tiny_model_dir, ca
             assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
     val_steps = sorted(r["step"] for r in rows if "validation/accuracy" in r)
     assert val_steps == [0, 2, 3]  # val_at_start, periodic, val_at_end
+    assert (
+        assert_breakdown_adds_up(run_dir, timed=("refit", "generation", "environment", "policy_training")) == 3
+    )  # validation and checkpoints (steps 2, 3) are phases of their step
     assert (run_dir / "config.yaml").is_file()
     assert any((run_dir / "tensorboard").iterdir())
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))

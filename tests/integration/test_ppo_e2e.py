@@ -14,7 +14,13 @@ import torch
 
 from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
-from tests.helpers import metrics_by_step, metrics_rows, sigkill_after_checkpoint, tiny_ppo_overrides
+from tests.helpers import (
+    assert_breakdown_adds_up,
+    metrics_by_step,
+    metrics_rows,
+    sigkill_after_checkpoint,
+    tiny_ppo_overrides,
+)
 
 STEPS = 3
 PPO_CONFIG = str(Path(__file__).parents[2] / "configs" / "ppo_arith_tiny.yaml")  # the shipped config
@@ -42,6 +48,7 @@ def test_ppo_three_steps_then_sigkill_resume_is_exact(tmp_path, tiny_model_dir, 
     summary = run_training(load_config(None, overrides), ref_dir)
     assert summary["first_validation"]["step"] == 0 and summary["last_validation"]["step"] == STEPS
     reference = metrics_by_step(ref_dir)
+    assert assert_breakdown_adds_up(ref_dir, timed=("environment", "value_inference", "value_training")) == STEPS
     assert sorted(s for s in reference if s > 0) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         m = reference[step]

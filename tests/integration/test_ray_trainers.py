@@ -18,6 +18,7 @@ import pytest
 
 from relayrl.algorithms.setup import run_training
 from relayrl.utils.config_io import load_config
+from tests.helpers import assert_breakdown_adds_up
 
 ray = pytest.importorskip("ray")
 
@@ -127,6 +128,8 @@ def test_grpo_on_ray_one_vs_two_workers(runs: Any, data_plane: bool) -> None:
     assert any(float(one[s]["train/grad_norm"]) > 0 for s in (1, 2, 3))  # the policy really trained
     assert any(float(one[s]["train/kl_penalty"]) > 0 for s in (2, 3))  # it moved away from the reference
     assert all(float(two[s]["refit/total_count"]) >= 1 for s in (2, 3))  # generation workers refitted each step
+    # the workers' refit, the rollout actor's environment time: phases of a step that add up on Ray too
+    assert assert_breakdown_adds_up(runs("grpo", 2, data_plane), timed=("refit", "generation", "environment")) == 3
 
 
 def test_parity_on_the_ray_backend_with_two_workers(runs: Any) -> None:

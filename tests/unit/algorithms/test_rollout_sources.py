@@ -90,7 +90,7 @@ def test_actor_source_runs_the_generation_phases_in_order() -> None:
         ("start_step", {"data_plane/put/bytes": 7.0}),
         ("rollout", 4, want_kwargs),
     ]
-    assert set(timer.get_timing_metrics("sum")) == {"data_processing", "prepare_for_generation/total", "generation"}
+    assert set(timer.get_timing_metrics("sum")) == {"data_processing", "refit", "data_plane", "generation"}
     assert isinstance(out, Rollout) and out.meta.keys == ["k0", "k1", "k2", "k3"] and not out.reference_in_store
     assert out.carry["total_reward"].tolist() == [1.0, 0.0, 0.5, 0.5] and out.carry["length"].dtype == torch.int64
     assert out.metrics == {"mean_gen_tokens_per_sample": 4.0}

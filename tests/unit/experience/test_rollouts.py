@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from relayrl.experience.rollouts import (
     batched_message_log_to_flat_message,
     build_message_advantage_overrides,
     calculate_rewards,
+    pop_rollout_timings,
     run_multi_turn_rollout,
 )
 from tests.helpers import ScriptedGenerationBase, scripted_generation_output
@@ -182,6 +184,36 @@ def test_multi_turn_accumulates_and_carries_state(char_tokenizer) -> None:
     assert metrics["avg_turns_per_sample"] == pytest.approx(2.0)
     assert metrics["natural_termination_rate"] == pytest.approx(2 / 3)
     assert metrics["max_turns_reached_rate"] == pytest.approx(1 / 3)
+
+
+class SlowCountdownEnv(CountdownEnv):
+    """A countdown whose every step takes `delay_s` (a tool call, a verifier)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def step(self, message_log_batch, metadata):
+        time.sleep(self.delay_s)
+        return super().step(message_log_batch, metadata)
+
+
+def test_the_rollout_clocks_its_environment_apart_from_its_metrics(char_tokenizer) -> None:
+    """The environment's seconds come back under `timing/` for the trainer's breakdown, and leave the metrics there."""
+    tok = char_tokenizer
+    batch = _prompt_batch(tok, ["1+1=", "2+2="], ["2", "4"], task="countdown", stop_strings=[None] * 2)
+    for info in batch["extra_env_info"]:
+        info["turns_left"] = 3
+    engine = ScriptedEngine(tok, lambda p, call: ("go", True))
+    start = time.perf_counter()
+    _, metrics = run_multi_turn_rollout(
+        engine, batch, tok, {"countdown": SlowCountdownEnv(0.02)}, max_seq_len=200, max_rollout_turns=3
+    )
+    elapsed = time.perf_counter() - start
+    timings = pop_rollout_timings(metrics)
+    assert list(timings) == ["environment"] and not any(k.startswith("timing/") for k in metrics)
+    assert 3 * 0.02 <= timings["environment"] < elapsed  # three turns of one env.step each, inside the rollout
+    assert metrics["total_turns"] == 6
 
 
 class EchoEnv(EnvironmentInterface):

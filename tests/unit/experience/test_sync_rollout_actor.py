@@ -22,6 +22,7 @@ from relayrl.experience.carry_wire import decode_carry
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
+    pop_rollout_timings,
     run_multi_turn_rollout,
     trim_to_last_loss_token,
 )
@@ -165,6 +166,9 @@ def test_store_columns_equal_the_legacy_flatten_bit_for_bit(setup: SimpleNamespa
     got = materialize_step(s.driver, meta)
     for key in BULK:
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    # the rollout's own clock goes back to the trainer's breakdown, never into the metrics or the store
+    assert set(pop_rollout_timings(metrics)) == {"environment", "data_plane"}
+    assert set(pop_rollout_timings(legacy_metrics)) == {"environment"}
     assert metrics == legacy_metrics and meta.extra_info["rollout_metrics"] == legacy_metrics
     assert float(want["token_mask"].sum()) > 0 and float(want["generation_logprobs"].abs().sum()) > 0
     user, history = repeated["message_log"][G][:2]  # prompt 2's assistant history turn: in the input, not the loss

@@ -81,3 +81,37 @@ def test_empty_metrics_file_names_it(tmp_path: Path) -> None:
     _write(tmp_path, [], tail="\n\n")
     with pytest.raises(ValueError, match=r"no metric rows: .*metrics\.jsonl"):
         plot_run(tmp_path)
+
+
+def _timed_rows(n: int, producer: bool = False) -> list[dict[str, Any]]:
+    rows = _rows(n)
+    for s in range(1, n + 1):
+        phases = {"generation": 0.5, "policy_training": 0.75, "checkpointing": 0.25 * (s % 2)}
+        row = {f"timing/train/{k}": v for k, v in phases.items()}
+        row["timing/train/unaccounted"] = 0.01
+        if producer:
+            row.update({"timing/async/producer_generation": 0.6, "timing/async/producer_idle": 0.1})
+            row["timing/async/queue_depth"] = float(s % 2)
+        rows.append({"step": s, **row})
+    return rows
+
+
+def test_the_breakdown_is_drawn_under_the_curves_and_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, _timed_rows(6))
+    full = mpimg.imread(plot_run(tmp_path))
+    assert full.shape[:2] == (960 + 400, 1200)  # the 3x2 curves, then the full-width stacked chart (4 inches)
+    main([str(tmp_path), "-o", str(tmp_path / "b.png"), "--breakdown"])
+    alone = mpimg.imread(tmp_path / "b.png")
+    assert alone.shape[:2] == (520, 1200) and alone.std() > 0.01
+    assert capsys.readouterr().out.strip() == str(tmp_path / "b.png")
+
+
+def test_an_async_breakdown_adds_the_producer_panel(tmp_path: Path) -> None:
+    _write(tmp_path, _timed_rows(4, producer=True))
+    assert mpimg.imread(plot_run(tmp_path, tmp_path / "a.png", breakdown_only=True)).shape[:2] == (820, 1200)
+
+
+def test_a_breakdown_of_a_run_without_phase_timings_names_the_file(tmp_path: Path) -> None:
+    _write(tmp_path, _rows(3))
+    with pytest.raises(ValueError, match="metrics.jsonl has no timing/train/<phase> timings"):
+        plot_run(tmp_path, breakdown_only=True)

@@ -7,7 +7,14 @@ import time
 import pytest
 
 from relayrl.utils import timer as timer_mod
-from relayrl.utils.timer import TimeoutChecker, Timer, convert_to_seconds
+from relayrl.utils.timer import (
+    STEP_PHASES,
+    TOTAL,
+    TimeoutChecker,
+    Timer,
+    convert_to_seconds,
+    phase_remainder,
+)
 
 
 class FakeClock:
@@ -68,6 +75,54 @@ def test_nested_labels_are_independent(clock: FakeClock) -> None:
         clock.now += 1.0
     metrics = t.get_timing_metrics("sum")
     assert metrics == pytest.approx({"policy_training": 2.25, "policy_training/sharding_data": 0.25})
+
+
+def test_split_off_moves_time_measured_inside_a_phase_to_its_own(clock: FakeClock) -> None:
+    t = Timer()
+    with t.time("generation"):
+        clock.now += 2.0
+    with t.time("generation"):
+        clock.now += 1.0
+    t.split_off("generation", "environment", 0.25)  # the latest duration only
+    t.split_off("generation", "data_plane", 5.0)  # never more than the duration holds
+    assert t.get_elapsed("generation") == pytest.approx([2.0, 0.0])
+    assert t.get_timing_metrics("sum") == pytest.approx({"generation": 2.0, "environment": 0.25, "data_plane": 0.75})
+
+
+def test_a_steps_phases_are_contiguous_and_add_up(clock: FakeClock) -> None:
+    t = Timer()
+    t.start(TOTAL)
+    clock.now += 0.125  # before the first phase: its lead-in
+    with t.time("policy_training"):
+        clock.now += 1.0
+        with t.time("policy_training/shard_meta"):  # a sub-phase: inside its phase, not summed again
+            clock.now += 0.5
+    clock.now += 0.25  # glue between two phases: the next one's
+    assert t.elapsed_so_far(TOTAL) == pytest.approx(1.875)
+    with t.time("checkpointing"):
+        clock.now += 2.0
+    clock.now += 0.0625  # after the last phase: in none
+    t.stop(TOTAL)
+    timings = t.get_timing_metrics("sum")
+    assert timings == pytest.approx(
+        {"policy_training": 1.625, "policy_training/shard_meta": 0.5, "checkpointing": 2.25, TOTAL: 3.9375}
+    )
+    assert phase_remainder(timings) == pytest.approx(0.0625)
+    # outside a step, and for a top-level phase started inside another, only the body counts (an overlap shows)
+    clock.now += 1.0
+    with t.time("generation"):
+        clock.now += 0.5
+    assert t.get_elapsed("generation") == pytest.approx([0.5])
+    t.reset()
+    t.start(TOTAL)
+    with t.time("validation"):
+        clock.now += 1.0
+        with t.time("recompute_kv_scales"):
+            clock.now += 0.25
+    t.stop(TOTAL)
+    assert phase_remainder(t.get_timing_metrics("sum")) == pytest.approx(-0.25)
+    assert "policy_training" in STEP_PHASES and len(set(STEP_PHASES)) == len(STEP_PHASES)
+    assert all("/" not in p for p in STEP_PHASES)
 
 
 def test_reduce_ops() -> None:
