@@ -33,6 +33,7 @@ from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import DP_TRAIN_FIELDS, TRAIN_CONSUMER_TASKS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import pop_rollout_timings
+from relayrl.models.generation.digests import verify_snapshot_load
 from relayrl.utils import deadlines
 
 __all__ = [
@@ -58,6 +59,7 @@ class ProducerEngine(Protocol):
     """The generation engine the producer refits between batches from published snapshots."""
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+    def worker_digests(self) -> list[dict[str, tuple[str, int, int]]]: ...
     def prepare_for_generation(self) -> bool: ...
     def get_rng_state(self) -> torch.Tensor: ...
     def set_rng_state(self, state: torch.Tensor) -> None: ...
@@ -341,6 +343,9 @@ class RolloutProducer:
         self.engine.load_weights(state, version)
         if self.pin is not None:
             self.pin.weights_version = version
+        mode = self.cfg.policy.generation.refit_verify  # the engine's weights against the snapshot, where it lives
+        if mode != "off":
+            verify_snapshot_load(self.engine.worker_digests(), state, mode, "the producer's generation", version)
         self._engine_version = version
 
     def _engine_cpu(self) -> float:

@@ -150,12 +150,14 @@ class Resumable(Protocol):
 
 class ColocatedWeights(Protocol):
     """What `setup` reads from the policy to build an in-process generation engine (local executor) over its live
-    weights: rank 0's model (`Any`: a torch module, or its LoRA-merged view) and the device it runs on."""
+    weights: rank 0's model (`Any`: a torch module, or its LoRA-merged view), the device it runs on, and the digests
+    refit verification compares the engine's weights with (`policy.generation.refit_verify`)."""
 
     @property
     def generation_source(self) -> Any: ...
     @property
     def device(self) -> torch.device: ...
+    def refit_digests(self, keys: list[str]) -> dict[str, tuple[str, int, int]]: ...
 
 
 class BuiltPolicy(Policy, Resumable, ColocatedWeights, Protocol):

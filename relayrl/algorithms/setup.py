@@ -139,7 +139,7 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedW
         )
     from relayrl.models.generation.hf_generation import HfGeneration
 
-    return HfGeneration(
+    engine = HfGeneration(
         cfg.policy.generation,
         tokenizer,
         policy.generation_source,  # rank 0's worker: the colocated engine reads its weights in place
@@ -148,6 +148,8 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedW
         seed=seed,
         precision=cfg.policy.precision,
     )
+    engine.verify_against = policy.refit_digests  # checked at every prepare_for_generation
+    return engine
 
 
 @dataclass(frozen=True)

@@ -166,11 +166,13 @@ def _train(args: argparse.Namespace) -> int:
         if problem:
             return _fail(problem)
     from relayrl.algorithms.async_rollouts import ProducerDiedError
+    from relayrl.algorithms.logprob_error import LogprobErrorAlarm
     from relayrl.algorithms.runner import CheckpointIncompleteError, CheckpointWriteError
     from relayrl.algorithms.setup import ResumeOptions, SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
     from relayrl.data_plane.interfaces import DataPlaneClosedError
     from relayrl.distributed.errors import ActorLostError, WorkerDiedError
+    from relayrl.distributed.refit_digest import RefitVerificationError
     from relayrl.environments.reward_fn_env import RewardFunctionError
     from relayrl.environments.tool_env import EnvironmentClassError
     from relayrl.utils.deadlines import DeadlineError, deadline_line
@@ -200,7 +202,7 @@ def _train(args: argparse.Namespace) -> int:
     except CheckpointWriteError as exc:  # disk full, read-only: the previous checkpoint is intact
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
-    except NonFiniteError as exc:  # stopped before the bad step changed any weight
+    except (NonFiniteError, RefitVerificationError, LogprobErrorAlarm) as exc:  # caught in the step; one line
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
         return 1
     except DeadlineError as exc:  # a blocking call past its deadline (the message names it and the key)

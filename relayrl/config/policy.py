@@ -71,6 +71,20 @@ class GenerationConfig(Strict):
     read, on CPU and GPU; the trainers calibrate them (`calibrate_qkv_fp8_scales`, include_q) before the first refit
     and after every training step, and the refit carries them to generation. Log-probs move by quantization error
     (tests/unit/models/test_fp8_kv.py measures it); the compiled CPU decode step is not used (PyTorch ops instead)."""
+    refit_verify: Literal["enforce", "log", "off"] = "enforce"
+    """Check after every refit (and before every generation phase) that generation holds the trainer's weights: each
+    side digests its tensors where they live and the digests are compared, a few bytes per tensor, on every path
+    (in-process engine and its compute-precision copy, LoRA-merged weights, Ray generation workers, the asynchronous
+    producer's snapshot loads, FP8 KV scales). `enforce`: a mismatch fails the step with one line naming the tensor,
+    the worker and the weights version; `log`: the line is logged and training goes on; `off`: no check."""
+    logprob_error_alarm: Literal["enforce", "log", "off"] = "enforce"
+    """A second, independent alarm: the step's generation-vs-training log-prob error (`train/token_mult_prob_error`,
+    1.0 when both sides agree) above `logprob_error_bound`. `enforce` fails the step with one line, `log` logs it,
+    `off` does not look."""
+    logprob_error_bound: Annotated[float, Field(gt=1.0)] = 1.2
+    """The bound of `logprob_error_alarm` on the step's mean token_mult_prob_error (mean over tokens of
+    exp|log p_gen - log p_train|). On-policy float32 runs sit at 1.0; asynchronous GRPO (staleness 1) and bf16
+    generation add a few hundredths; a stale or broken refit goes far above."""
 
 
 class AdamWKwargs(Strict):

@@ -2,7 +2,8 @@
 
 After the refit every generation worker holds the policy's weights bit for bit, and greedy generation on the
 workers gives the tokens one engine gives on the policy's weights, with log-probs equal to `Policy.get_logprobs`
-(T=1) on the generated sequences.
+(T=1) on the generated sequences. Refit verification compares the workers' digests with the policy's at every
+`prepare_for_generation`: it passes after each refit and names the worker left on the old weights.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 
 from relayrl.config import ClusterConfig, PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.distributed.refit_digest import RefitVerificationError
 from relayrl.models.generation.distributed import DistributedGeneration
 from relayrl.models.generation.hf_generation import HfGeneration
+from relayrl.models.generation.worker import GenerationWorker
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.policy.worker import load_causal_lm
 from tests.helpers import f32_tol, ragged_batch, small_policy_config, train_on_policy
@@ -102,9 +105,17 @@ def test_both_refit_methods_after_a_training_step(
             try:
                 assert gen.world_size == 2
                 gen.prepare_for_generation()  # the workers start from the policy's weights too
+                before = {k: v.detach().clone() for k, v in policy.state_dict_for_refit().items()}
                 train_once(policy, len(char_tokenizer))
-                results[name] = check_refit(gen, policy, cfg, char_tokenizer)
+                results[name] = check_refit(gen, policy, cfg, char_tokenizer)  # verified by digests: no mismatch
                 assert gen.refit_metrics()["refit/total_count"] == 2
+                # refit verification: worker 1 back on the weights before the step, under the current version
+                live = {k: v.detach().clone() for k, v in policy.state_dict_for_refit().items()}
+                gen._group.run_sharded(GenerationWorker.load_weights, [live, before], policy.weights_version)
+                with pytest.raises(
+                    RefitVerificationError, match=r"on generation worker 1 is not the trainer's .*after the last refit"
+                ):
+                    gen.prepare_for_generation()
             finally:
                 gen.shutdown()
         finally:

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from relayrl.config import ClusterConfig, GenerationConfig, PolicyConfig
+from relayrl.distributed import refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.executor import build_worker_group, run_all_async
 from relayrl.distributed.interfaces import WorkerGroup
-from relayrl.models.generation.hf_generation import assemble_output, empty_generation, generation_limits
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
+from relayrl.models.generation.outputs import assemble_output, empty_generation, generation_limits
 from relayrl.models.generation.worker import GenerationWorker
 from relayrl.utils import device as dev
 
@@ -196,6 +197,7 @@ class DistributedGeneration(GenerationInterface):
         if self._policy is None:
             raise RuntimeError("prepare_for_generation runs on the driver's engine, not on a remote copy")
         version = int(self._policy.weights_version)
+        how = "IPC refit" if self.colocated else "collective refit"
         if version != self._synced_version or self._holder[0] is not self:
             self._refit()
             self._group.run_all(GenerationWorker.set_weights_version, version)
@@ -203,8 +205,25 @@ class DistributedGeneration(GenerationInterface):
             self._holder[0] = self
         elif self._kv_scales_pending:  # new scales for the weights the workers hold
             self._group.run_all(GenerationWorker.set_kv_scales, self._kv_scales)
+        else:
+            how = "last refit"
         self._kv_scales_pending = False
+        self._verify(version, how)
         return True
+
+    def worker_digests(self) -> list[refit_digest.Digests]:
+        """Every worker's refit-verification report (digests of what it generates from), in worker order."""
+        return self._group.run_all(GenerationWorker.weight_digests)
+
+    def _verify(self, version: int, how: str) -> None:
+        """`policy.generation.refit_verify`: every worker's weights (and FP8 scales) against the policy's."""
+        mode = self.config.refit_verify
+        if mode == "off":
+            return
+        actuals = self.worker_digests()
+        expected = self._policy.refit_digests(sorted(actuals[0]))
+        expected.update(refit_digest.scale_digests(self._kv_scales))
+        refit_digest.check(expected, actuals, mode=mode, where="generation", version=version, how=how)
 
     def _refit(self) -> None:
         start = time.perf_counter()

@@ -9,11 +9,9 @@ the model's own weight tensors (read in place, no copy); anything else runs thro
 the results are mapped back to the right-padded layout of `GenerationOutputSpec`.
 
 With `kv_cache_dtype=fp8` the cache holds float8 e4m3 values with per-layer scales (`fp8_kv`): the calibrated ones
-handed to `set_kv_scales` (a driver, or a generation worker receiving them with its refit), else 1.0 (logged once).
-
-`precision` (the policy's `policy.precision`): bfloat16 / float16 decode from a copy of the projection weights in
-that dtype (`ComputeWeights`), refreshed whenever the engine's weights move (a new weights version, a refit), with a
-KV cache in that dtype; the HF fallback runs its forward under autocast. float32 decodes from the module itself.
+handed to `set_kv_scales`, else 1.0 (logged once). `precision` bfloat16 / float16: decode from a copy of the
+projection weights in that dtype (`ComputeWeights`), refreshed whenever the engine's weights move, with a KV cache
+in that dtype; the HF fallback runs its forward under autocast. float32 decodes from the module itself.
 """
 
 from __future__ import annotations
@@ -21,19 +19,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from relayrl.config import GenerationConfig
+from relayrl.distributed import refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models import fp8_kv
 from relayrl.models.fast.compute_weights import ComputeWeights
 from relayrl.models.fast.decoder import FastDecoder, HfDecoder
 from relayrl.models.fast.support import fast_path_unsupported
+from relayrl.models.generation.digests import module_digests, verify_engine
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
+from relayrl.models.generation.outputs import assemble_output, empty_generation, generation_limits
 from relayrl.models.generation.sampling import StopStringMatcher, TokenSampler, stop_test
 from relayrl.utils import device as dev
 
@@ -108,6 +109,7 @@ class HfGeneration(GenerationInterface):
         self.precision = precision
         self.compute_weights = None if dtype == torch.float32 else ComputeWeights(dtype)
         self._loads = 0  # weight loads into the engine's module (a refit may keep the version number)
+        self.verify_against: Callable[[list[str]], refit_digest.Digests] | None = None  # the trainer's digests
         _ = self.uses_fast_path  # fail early when fast_path=True cannot be honoured
 
     # ------------------------------------------------------------------ state
@@ -181,6 +183,8 @@ class HfGeneration(GenerationInterface):
         if self._restore_training is None:
             self._restore_training = model.training
             model.eval()
+        if self.verify_against is not None:  # policy.generation.refit_verify: the trainer's weights, or one line
+            verify_engine(self.weight_digests, self.verify_against, self.config.refit_verify, version)
         return True
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -198,6 +202,18 @@ class HfGeneration(GenerationInterface):
         """Someone wrote new weights into the engine's module in place (a refit receiver): refresh the compute copy
         before the next generate() even if the weights version number did not move."""
         self._loads += 1
+
+    def _weights_key(self, model: nn.Module) -> object:  # the compute copies follow any change of it
+        return (id(model), self._synced_version, self._loads)
+
+    def weight_digests(self, delivered: torch.dtype | None = None) -> refit_digest.Digests:
+        """Digests of what the next generate() reads (`module_digests`; compute copies refreshed as it would)."""
+        model, cw = self.model, self.compute_weights
+        fresh = cw is not None and self.uses_fast_path and (cw.refresh(model, self._weights_key(model)) or True)
+        return module_digests(model, cw.copies() if fresh and cw else None, self._kv_scales, delivered)
+
+    def worker_digests(self) -> list[refit_digest.Digests]:
+        return [self.weight_digests()]
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Restore the train/eval mode found at prepare time. Cached device memory stays with torch's allocator (the
@@ -265,7 +281,7 @@ class HfGeneration(GenerationInterface):
             native=self.config.native_cpu_decode and device.type == "cpu",
         )
         if self.compute_weights is not None and self.uses_fast_path:
-            self.compute_weights.refresh(model, (id(model), self._synced_version, self._loads))
+            self.compute_weights.refresh(model, self._weights_key(model))
         was_training = model.training
         model.eval()
         try:
@@ -408,20 +424,6 @@ class HfGeneration(GenerationInterface):
         return tokens.T, logprobs.T, gen_len, stopped
 
 
-def generation_limits(lengths: torch.Tensor, max_new_tokens: int, max_total: int | None) -> torch.Tensor:
-    """Token budget per row [B]: max_new_tokens, capped by what the context limit leaves after the prompt."""
-    limits = torch.full((lengths.shape[0],), max_new_tokens, dtype=torch.long)  # [B]
-    if max_total is not None:
-        limits = torch.minimum(limits, max_total - lengths.long().cpu())
-        if lengths.shape[0] and int(limits.min()) < 1:
-            row = int(limits.argmin())
-            raise ValueError(
-                f"row {row}: prompt of {int(lengths[row])} tokens leaves no room for generation under "
-                f"max_total_sequence_length={max_total}"
-            )
-    return limits
-
-
 def _left_pad(
     input_ids: torch.Tensor, lengths: torch.Tensor, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -432,46 +434,6 @@ def _left_pad(
     key_valid = src >= 0
     left_ids = input_ids.gather(1, src.clamp(min=0)).masked_fill_(~key_valid, pad_id)
     return left_ids, key_valid, src.clamp(min=0)
-
-
-def empty_generation(max_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`assemble_output`'s generated parts for a batch of no rows: tokens, logprobs [0, N], lengths, stopped [0]."""
-    return (
-        torch.zeros((0, max_new), dtype=torch.long),
-        torch.zeros((0, max_new)),
-        torch.zeros(0, dtype=torch.long),
-        torch.zeros(0, dtype=torch.bool),
-    )
-
-
-def assemble_output(
-    input_ids: torch.Tensor,
-    lengths: torch.Tensor,
-    tokens: torch.Tensor,
-    logprobs: torch.Tensor,
-    gen_len: torch.Tensor,
-    stopped: torch.Tensor,
-    pad_id: int,
-) -> BatchedDataDict[GenerationOutputSpec]:
-    """Right-padded outputs: prompt, the generated tokens right after it, then pad (logprobs 0 off generation)."""
-    batch, width = input_ids.shape
-    max_new = tokens.shape[1]
-    steps = torch.arange(max_new)
-    generated = steps.unsqueeze(0) < gen_len.unsqueeze(1)  # [B, N]
-    in_prompt = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, S]
-    cols = lengths.unsqueeze(1) + steps.unsqueeze(0)  # [B, N] output column of each generated token
-    output_ids = torch.full((batch, width + max_new), pad_id, dtype=torch.long)
-    output_ids[:, :width] = torch.where(in_prompt, input_ids, pad_id)
-    output_ids.scatter_(1, cols, torch.where(generated, tokens, pad_id))
-    output_logprobs = torch.zeros((batch, width + max_new), dtype=torch.float32)
-    output_logprobs.scatter_(1, cols, torch.where(generated, logprobs.float(), 0.0))
-    return BatchedDataDict(
-        output_ids=output_ids,
-        logprobs=output_logprobs,
-        generation_lengths=gen_len.clone(),
-        unpadded_sequence_lengths=lengths + gen_len,
-        truncated=~stopped,
-    )
 
 
 def _module_device(model: nn.Module) -> torch.device:

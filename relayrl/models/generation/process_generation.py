@@ -100,6 +100,7 @@ def _serve(conn: multiprocessing.connection.Connection, init: dict[str, Any]) ->
         "prepare_for_generation": engine.prepare_for_generation,
         "finish_generation": engine.finish_generation,
         "get_rng_state": engine.get_rng_state,
+        "weight_digests": engine.weight_digests,
         "set_rng_state": engine.set_rng_state,
     }
     conn.send(("ok", None, time.process_time()))  # ready
@@ -218,6 +219,10 @@ class ProcessGeneration:
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         return bool(self._call("finish_generation"))
+
+    def worker_digests(self) -> list[dict[str, tuple[str, int, int]]]:
+        """Refit verification's report from the child: digests of what its engine generates from."""
+        return [self._call("weight_digests")]
 
     def get_rng_state(self) -> torch.Tensor:
         return self._call("get_rng_state")  # type: ignore[no-any-return]

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from relayrl.config import ColocatedConfig, PolicyConfig
-from relayrl.distributed import refit
+from relayrl.distributed import refit, refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
 from relayrl.models.generation.hf_generation import HfGeneration
@@ -73,6 +73,8 @@ class GenerationWorker:
             seed=seed,
             precision=policy_config.precision,
         )
+        delivered = dev.precision_dtype(policy_config.precision)  # what every refit sends (the policy precision)
+        self._delivered = delivered if delivered != next(model.parameters()).dtype else None
         self._refit_info: refit.RefitInfo | None = None
         self._weight_group: refit.WeightUpdateGroup | None = None
 
@@ -111,6 +113,10 @@ class GenerationWorker:
 
     def get_kv_scales(self) -> dict[str, float] | None:
         return self.engine.kv_scales
+
+    def weight_digests(self) -> refit_digest.Digests:
+        """Refit verification's report: digests of what this worker generates from, computed on its device."""
+        return self.engine.weight_digests(self._delivered)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's weights on the CPU (tests compare them with the policy's)."""

@@ -175,6 +175,11 @@ class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
     def prepare_refit_info(self) -> dict[str, Any] | None:
         return self._group.run_rank0(PolicyWorker.prepare_refit_info)
 
+    def refit_digests(self, keys: list[str]) -> dict[str, tuple[str, int, int]]:
+        """Refit verification's expected side: rank 0's digests under a generation engine's keys (every rank runs it:
+        a sharded tensor is gathered by a collective; replicas hold the same weights)."""
+        return self._group.run_all(PolicyWorker.refit_digests, keys)[0]
+
     # ------------------------------------------------------------------ separate generation workers
     # Each starts the call on every rank and returns at once with one handle per worker (rank order; `.result()`
     # -> that worker's result), so that the driver can run the generation side's matching call concurrently.

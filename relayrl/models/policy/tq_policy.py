@@ -262,6 +262,9 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
     def prepare_refit_info(self) -> dict[str, Any] | None:
         return self.model.prepare_refit_info()
 
+    def refit_digests(self, keys: list[str]) -> dict[str, tuple[str, int, int]]:
+        return self.model.refit_digests(keys)
+
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[WorkerCall[bool]]:
         return self.model.init_collective(ip, port, world_size, train_world_size=train_world_size)
 

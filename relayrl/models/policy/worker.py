@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import PolicyConfig
-from relayrl.distributed import refit
+from relayrl.distributed import refit, refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models import fp8_kv
 from relayrl.models.fast.forward import backbone_hidden_states, hf_hidden_states, selected_hidden_states
@@ -156,6 +156,11 @@ class PolicyWorker(ModelWorker):
         if self.peft_model is None:
             return self.model.state_dict().items()
         return lora.merged_named_tensors(self.model, merge=merge)
+
+    def refit_digests(self, keys: list[str]) -> refit_digest.Digests:
+        """The trainer's side of refit verification: digests of the weights generation must hold (merged under
+        LoRA), under a generation engine's keys, computed where they live."""
+        return refit_digest.expected_digests(self._generation_tensors(), keys)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights generation runs on (live tensors; under LoRA the merged ones, under the base model's names)."""

@@ -124,3 +124,19 @@ def test_first_position_is_ignored() -> None:
     gen[0, 0] = -50.0  # position 0 is never a loss position
     _, metrics = compute_seq_logprob_error_metrics(tm, torch.ones(1), prev, gen, None, None)
     assert metrics["max_seq_mult_prob_error"] == pytest.approx(1.0)
+
+
+def test_logprob_error_alarm_fires_only_above_its_bound():
+    from relayrl.algorithms.logprob_error import logprob_error_alarm
+    from relayrl.config import GenerationConfig
+
+    gen = GenerationConfig(logprob_error_bound=1.05)
+    assert logprob_error_alarm({"token_mult_prob_error": 1.05}, gen, 3) is None  # at the bound: fine
+    assert logprob_error_alarm({}, gen, 3) is None  # a step without generation log-probs
+    line = logprob_error_alarm({"token_mult_prob_error": 1.0625}, gen, 3)
+    assert line is not None and "at step 3: token_mult_prob_error 1.0625 is above" in line and "\n" not in line
+    stale = {"token_mult_prob_error": 9.0, "async/trajectory_age_mean": 1.0}  # older weights generated these rows
+    assert logprob_error_alarm(stale, gen, 3) is None
+    assert logprob_error_alarm({**stale, "async/trajectory_age_mean": 0.0}, gen, 3) is not None
+    off = GenerationConfig(logprob_error_bound=1.05, logprob_error_alarm="off")
+    assert logprob_error_alarm({"token_mult_prob_error": 9.0}, off, 3) is None

@@ -111,7 +111,12 @@ def _cfg(model_dir: Any, **ppo: Any) -> MasterConfig:
         {
             "algorithm": "ppo",
             "ppo": base,
-            "policy": {"model_name": str(model_dir), "optimizer": {"kwargs": {"lr": 1e-3}}, **batch},
+            "policy": {
+                "model_name": str(model_dir),
+                "optimizer": {"kwargs": {"lr": 1e-3}},
+                "generation": {"logprob_error_alarm": "off"},  # scripted replies carry made-up log-probs (-1)
+                **batch,
+            },
             "value": {"model_name": str(model_dir), **batch},
             "loss_fn": {"reference_policy_kl_penalty": 0.0},
             "checkpointing": {"enabled": False},
