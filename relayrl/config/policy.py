@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from relayrl.config.base import BUILTIN_TINY_MODEL, NonNegFloat, NonNegInt, Strict, UnitFloat
 
@@ -85,6 +85,12 @@ class GenerationConfig(Strict):
     """The bound of `logprob_error_alarm` on the step's mean token_mult_prob_error (mean over tokens of
     exp|log p_gen - log p_train|). On-policy float32 runs sit at 1.0; asynchronous GRPO (staleness 1) and bf16
     generation add a few hundredths; a stale or broken refit goes far above."""
+
+    @field_validator("refit_verify", "logprob_error_alarm", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        """YAML reads an unquoted `off` as false: take it as the mode it spells."""
+        return "off" if value is False else value
 
 
 class AdamWKwargs(Strict):
