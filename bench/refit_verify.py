@@ -9,7 +9,9 @@ Two measures, side by side in one run:
    median `timing/train/total_step_time` of each and their ratio (this includes run-to-run noise).
 2. The check itself, timed directly: the engine's digests plus the policy's digests of the shipped model (what
    every generation phase adds), for float32 and bf16 (the compute-precision copies too), and for the 25M model;
-   median over `--repeats`, in milliseconds and as a share of measure 1's median step.
+   median over `--repeats`, in milliseconds and as a share of measure 1's median step. Timed on one torch thread:
+   on a loaded 2-core box two threads spin at every op's barrier while the other is descheduled, which turns the
+   check's ~300 small reductions from milliseconds into hundreds of them (measured); one thread shows the work.
 
     HF_HUB_OFFLINE=1 python bench/refit_verify.py [--steps 20] [--rounds 2] [--warmup 3] [--repeats 20]
 """
@@ -83,6 +85,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     shipped_dir = resolve_model_path(BUILTIN_TINY_MODEL)
+    torch.set_num_threads(1)
     shipped = AutoModelForCausalLM.from_pretrained(shipped_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(shipped_dir)
     wide = build_tiny_qwen2(len(build_char_tokenizer()), seed=1, **WIDE_25M).eval()  # type: ignore[arg-type]
