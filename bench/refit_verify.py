@@ -7,9 +7,11 @@ Two measures, side by side in one run:
    validation with `refit_verify=enforce` and with `off`, rounds alternating the order so that load from other
    processes hits both alike; each run is a fresh subprocess and drops its first `--warmup` steps. Reported: the
    median `timing/train/total_step_time` of each and their ratio (this includes run-to-run noise).
-2. The check itself, timed directly: the engine's digests plus the policy's digests of the shipped model (what
-   every generation phase adds), for float32 and bf16 (the compute-precision copies too), and for the 25M model;
-   median over `--repeats`, in milliseconds and as a share of measure 1's median step. Timed on one torch thread:
+2. The check itself, timed directly: the engine's digests plus the policy's digests (what every generation phase
+   adds). On the default run's path (the local executor's engine reads the trainer's tensors in place: nothing to
+   compare in float32, its bf16 copies of the projections under bf16), and with every tensor digested on both
+   sides (generation workers refitted by IPC or a collective) for the shipped and the 25M model; median over
+   `--repeats`, in milliseconds and as a share of measure 1's median step. Timed on one torch thread:
    on a loaded 2-core box two threads spin at every op's barrier while the other is descheduled, which turns the
    check's ~300 small reductions from milliseconds into hundreds of them (measured); one thread shows the work.
 
@@ -56,10 +58,14 @@ class _Source:
         self.model, self.weights_version = model, 0
 
 
-def check_ms(model: torch.nn.Module, tokenizer: object, precision: str, repeats: int) -> float:
-    """Median milliseconds of one verification: the engine's digests and the trainer's under the same keys."""
+def check_ms(model: torch.nn.Module, tokenizer: object, precision: str, repeats: int, in_place: bool) -> float:
+    """Median milliseconds of one verification: the engine's digests and the trainer's under the same keys.
+    `in_place`: the local executor's engine, which reads the trainer's own tensors (only its bf16 copies are
+    compared); else every tensor is digested on both sides, as for generation workers refitted by IPC or a collective."""
     engine = HfGeneration(GenerationConfig(), tokenizer, _Source(model), precision=precision)
     trainer = list(model.state_dict().items())
+    if in_place:
+        engine.trainer_storage = lambda: {t.data_ptr() for _, t in trainer}
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -89,10 +95,12 @@ def main() -> None:
     shipped = AutoModelForCausalLM.from_pretrained(shipped_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(shipped_dir)
     wide = build_tiny_qwen2(len(build_char_tokenizer()), seed=1, **WIDE_25M).eval()  # type: ignore[arg-type]
+    n_shipped, n_wide = count_parameters(shipped) / 1e6, count_parameters(wide) / 1e6
     checks = {
-        f"shipped ({count_parameters(shipped) / 1e6:.1f}M) float32": check_ms(shipped, tokenizer, "float32", args.repeats),
-        f"shipped ({count_parameters(shipped) / 1e6:.1f}M) bfloat16": check_ms(shipped, tokenizer, "bfloat16", args.repeats),
-        f"25M ({count_parameters(wide) / 1e6:.1f}M) float32": check_ms(wide, build_char_tokenizer(), "float32", args.repeats),
+        f"default run, in place ({n_shipped:.1f}M) float32": check_ms(shipped, tokenizer, "float32", args.repeats, True),
+        f"default run, in place ({n_shipped:.1f}M) bfloat16": check_ms(shipped, tokenizer, "bfloat16", args.repeats, True),
+        f"every tensor ({n_shipped:.1f}M) float32": check_ms(shipped, tokenizer, "float32", args.repeats, False),
+        f"every tensor ({n_wide:.1f}M) float32": check_ms(wide, build_char_tokenizer(), "float32", args.repeats, False),
     }  # fmt: skip
     result = {
         "kept_steps_per_side": len(steps["off"]),
@@ -101,6 +109,8 @@ def main() -> None:
         "step_time_ratio_enforce_over_off": round(on / off, 4),
         "check_ms": {k: round(v, 2) for k, v in checks.items()},
         "check_share_of_default_step": round(next(iter(checks.values())) / 1e3 / off, 4),
+        "bf16_check_share_of_default_step": round(list(checks.values())[1] / 1e3 / off, 4),
+        "every_tensor_check_share_of_default_step": round(list(checks.values())[2] / 1e3 / off, 4),
     }
     print(json.dumps(result, indent=2))
 

@@ -148,7 +148,8 @@ def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedW
         seed=seed,
         precision=cfg.policy.precision,
     )
-    engine.verify_against = policy.refit_digests  # checked at every prepare_for_generation
+    engine.verify_against = policy.refit_digests  # checked at every prepare_for_generation ...
+    engine.trainer_storage = policy.generation_storage  # ... where the engine does not read the trainer's tensors
     return engine
 
 

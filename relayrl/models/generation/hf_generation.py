@@ -110,6 +110,7 @@ class HfGeneration(GenerationInterface):
         self.compute_weights = None if dtype == torch.float32 else ComputeWeights(dtype)
         self._loads = 0  # weight loads into the engine's module (a refit may keep the version number)
         self.verify_against: Callable[[list[str]], refit_digest.Digests] | None = None  # the trainer's digests
+        self.trainer_storage: Callable[[], set[int]] | None = None  # data pointers of the trainer's own tensors
         _ = self.uses_fast_path  # fail early when fast_path=True cannot be honoured
 
     # ------------------------------------------------------------------ state
@@ -210,7 +211,8 @@ class HfGeneration(GenerationInterface):
         """Digests of what the next generate() reads (`module_digests`; compute copies refreshed as it would)."""
         model, cw = self.model, self.compute_weights
         fresh = cw is not None and self.uses_fast_path and (cw.refresh(model, self._weights_key(model)) or True)
-        return module_digests(model, cw.copies() if fresh and cw else None, self._kv_scales, delivered)
+        shared = self.trainer_storage() if self.trainer_storage is not None else None
+        return module_digests(model, cw.copies() if fresh and cw else None, self._kv_scales, delivered, shared)
 
     def worker_digests(self) -> list[refit_digest.Digests]:
         return [self.weight_digests()]

@@ -101,6 +101,12 @@ class Policy(ModelFacade[PolicyWorker], ColocatablePolicyInterface):
             raise RuntimeError("generation_source is only available on the local executor (workers in-process)")
         return self._group.worker(0).generation_view
 
+    def generation_storage(self) -> set[int]:
+        """Rank 0's `PolicyWorker.generation_storage` (local executor only: data pointers mean nothing elsewhere)."""
+        if not isinstance(self._group, LocalWorkerGroup):
+            raise RuntimeError("generation_storage is only available on the local executor (workers in-process)")
+        return self._group.worker(0).generation_storage()
+
     @property
     def device(self) -> torch.device:
         """The device rank 0 computes on (where a colocated engine should run)."""

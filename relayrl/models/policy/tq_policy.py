@@ -265,6 +265,9 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
     def refit_digests(self, keys: list[str]) -> dict[str, tuple[str, int, int]]:
         return self.model.refit_digests(keys)
 
+    def generation_storage(self) -> set[int]:
+        return self.model.generation_storage()
+
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[WorkerCall[bool]]:
         return self.model.init_collective(ip, port, world_size, train_world_size=train_world_size)
 

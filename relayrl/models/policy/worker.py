@@ -157,6 +157,11 @@ class PolicyWorker(ModelWorker):
             return self.model.state_dict().items()
         return lora.merged_named_tensors(self.model, merge=merge)
 
+    def generation_storage(self) -> set[int]:
+        """Data pointers of the tensors generation reads from this worker unchanged (all of them; under LoRA the
+        ones no adapter touches): an in-process engine reading them in place has nothing to verify there."""
+        return {t.data_ptr() for _, t in self._generation_tensors(merge=False)}
+
     def refit_digests(self, keys: list[str]) -> refit_digest.Digests:
         """The trainer's side of refit verification: digests of the weights generation must hold (merged under
         LoRA), under a generation engine's keys, computed where they live."""

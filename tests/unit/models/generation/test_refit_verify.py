@@ -119,7 +119,23 @@ def in_process(model_dir: Path, tokenizer: Any, **policy_keys: Any) -> tuple[Pol
     policy = Policy(cfg, tokenizer, cluster=ClusterConfig(), init_reference_model=False)
     engine = HfGeneration(cfg.generation, tokenizer, policy.generation_source, precision=cfg.precision)
     engine.verify_against = policy.refit_digests
+    engine.trainer_storage = policy.generation_storage  # what the engine reads in place is not compared
     return policy, engine
+
+
+def test_in_place_reads_need_no_digests(tiny_model_dir, char_tokenizer):
+    policy, engine = in_process(tiny_model_dir, char_tokenizer)
+    try:
+        assert engine.weight_digests() == {}  # float32, no LoRA: the engine reads the trainer's tensors themselves
+    finally:
+        policy.shutdown()
+    policy, engine = in_process(tiny_model_dir, char_tokenizer, precision="bfloat16")
+    try:
+        keys = set(engine.weight_digests())
+        assert keys and all(k.endswith("@bfloat16/compute") for k in keys)  # only its own copies
+        assert f"{Q0}@bfloat16/compute" in keys
+    finally:
+        policy.shutdown()
 
 
 def test_a_stale_compute_precision_copy_is_caught(tiny_model_dir, char_tokenizer):
