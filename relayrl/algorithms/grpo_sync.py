@@ -241,13 +241,13 @@ class GRPOSyncSteps:
             seq_err_metrics=seq_err_metrics,
             ds_metrics=ds_metrics,
         )
-        self._byte_metrics(meta, metrics, step)
+        dp_seconds = self._byte_metrics(meta, metrics, step)
         if "non_finite_drop" in carry:
             metrics["non_finite_samples_skipped"] = float(carry["non_finite_drop"].sum())
         self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
         samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
         metrics.update(self.source.after_step(step))  # async: weights published, the batch's partition retired
-        return StepOutput(metrics, samples)
+        return StepOutput(metrics, samples, data_plane_seconds=dp_seconds)
 
     def _rewards(self, meta: KVBatchMeta, carry: BatchedDataDict) -> torch.Tensor:
         """Scaling/shaping, then the per-prompt baseline and std, stamped on the handle's tags. Returns rewards [B]."""
@@ -352,8 +352,9 @@ class GRPOSyncSteps:
         self.policy.write_to_dataplane(meta, columns)
         return adv_metrics
 
-    def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> None:
-        """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle."""
+    def _byte_metrics(self, meta: KVBatchMeta, metrics: dict[str, float], step: int) -> float:
+        """Bytes through the driver (carry + driver puts/gets) against bytes written to the store, and the handle.
+        Returns the step's data-plane seconds over every client (for `data_plane/share_of_step`)."""
         dp_metrics = self.policy.data_plane_metrics(reset=True, extra=[self.source.store_metrics()])
         metrics["driver_bytes"] = float(dp_metrics.get("data_plane/driver_bytes", 0.0) + self.carry_bytes)
         metrics["store_bytes_written"] = float(dp_metrics.get("data_plane/all/put_bytes", 0.0))
@@ -361,6 +362,7 @@ class GRPOSyncSteps:
         # the handle itself (keys, lengths, tags) is control-plane metadata, reported apart from the payload
         metrics["driver_meta_bytes"] = float(len(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)))
         self.logger.log_metrics(dp_metrics, step)
+        return dp_metrics.get("data_plane/all/ms_total", 0.0) / 1e3
 
 
 def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:

@@ -1,0 +1,181 @@
+"""What `data_plane.verify_checksums` costs a default step, side by side (issue 28, item 3).
+
+Two parts:
+
+1. Digest kernels on one default step's rollout put (128 rows of <= 64 tokens: int64 ids, float32 log-probs, bool
+   mask, a dense float32 per-row field): relayrl's digest (`checksum.row_digests`, vectorised over the packed
+   column) against `zlib.crc32` and `zlib.adler32` per row. Medians of `--reps` timings, microseconds per column.
+2. The default run (`relayrl train` with the shipped config, validation and checkpoints off, 1 torch thread) with
+   checksums on and off, alternating fresh subprocesses `--rounds` times so a shared box disturbs both alike. Per
+   step: CPU seconds between consecutive step ends of the run's process and its children (all threads; the
+   generation engine decodes in a child process) and the run's own
+   `data_plane/all/checksum/ms_total` (every client's time computing and verifying checksums). The first
+   `--warmup` steps of each run are discarded. Prints medians and the on/off ratio.
+
+Run (about 3 minutes on a 2-core CPU):
+
+    HF_HUB_OFFLINE=1 python bench/data_plane_checksums.py --rounds 3 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+
+def kernels(reps: int) -> None:
+    import torch
+
+    from relayrl.data_plane.checksum import row_digests
+    from relayrl.data_plane.codec import Column
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(24, 65, (128,), generator=g)  # [N]
+    t = int(lens.sum())
+    cols = {
+        "input_ids int64 jagged": Column(torch.randint(0, 100, (t,), generator=g), lens),
+        "logprobs float32 jagged": Column(torch.randn(t, generator=g), lens),
+        "token_mask bool jagged": Column(torch.rand(t, generator=g) > 0.5, lens),
+        "sample_mask float32 dense": Column(torch.rand(128, generator=g)),
+    }
+
+    def per_row(fn: Any, col: Column) -> list[int]:
+        data = col.values.numpy().tobytes()
+        width = col.values.element_size() * (col.values[0].numel() if col.values.dim() > 1 else 1)
+        ends = (torch.cumsum(col.lengths, 0) if col.lengths is not None else torch.arange(1, 129)).tolist()
+        out, start = [], 0
+        for end in ends:
+            out.append(fn(data[start * width : end * width]))
+            start = end
+        return out
+
+    kinds = {
+        "relayrl digest": row_digests,
+        "zlib.crc32/row": lambda c: per_row(zlib.crc32, c),
+        "zlib.adler32/row": lambda c: per_row(zlib.adler32, c),
+    }
+    print(f"digest kernels, one default rollout put ({t} tokens, 128 rows), median us per column over {reps} reps")
+    for name, col in cols.items():
+        row = []
+        for kind, fn in kinds.items():
+            fn(col)
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn(col)
+                times.append((time.perf_counter() - start) * 1e6)
+            row.append(f"{kind} {statistics.median(times):7.1f}")
+        print(f"  {name:28s} " + " | ".join(row))
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One default run in this process; the CPU clock at every step end and the run's metrics."""
+    import psutil
+    import torch
+
+    from relayrl.algorithms.setup import run_training
+    from relayrl.utils import logger as logger_mod
+    from relayrl.utils.config_io import load_config
+
+    torch.set_num_threads(1)
+    ends: list[float] = []
+    log_metrics = logger_mod.Logger.log_metrics
+    me = psutil.Process()
+
+    def cpu_now() -> float:
+        total = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:  # a child that just ended
+                continue
+            total += t.user + t.system
+        return total
+
+    def clocked(self: Any, metrics: dict[str, Any], step: int, prefix: str = "") -> None:
+        if prefix == "timing/train":
+            ends.append(cpu_now())
+        log_metrics(self, metrics, step, prefix=prefix)
+
+    logger_mod.Logger.log_metrics = clocked  # type: ignore[method-assign]
+    overrides = [
+        f"grpo.max_num_steps={args.steps + args.warmup}",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "checkpointing.enabled=false",
+        "logger.tensorboard_enabled=false",
+        "logger.progress_bar=false",
+        "cluster.torch_num_threads=1",
+        f"data_plane.verify_checksums={args.worker == 'on'}",
+    ]
+    cfg = load_config(None, overrides)
+    with tempfile.TemporaryDirectory(prefix=f"bench_checksums_{args.worker}_") as tmp:
+        run_training(cfg, Path(tmp) / "run")
+        rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        by_step.setdefault(int(r["step"]), {}).update(r)
+    cpu = [b - a for a, b in zip(ends, ends[1:])]  # step i+1's CPU seconds
+    steps = sorted(by_step)[args.warmup :]
+    rec = {
+        "cpu": cpu[args.warmup - 1 :],
+        "checksum_ms": [float(by_step[s].get("data_plane/all/checksum/ms_total", 0.0)) for s in steps],
+        "data_plane_ms": [float(by_step[s].get("data_plane/all/ms_total", 0.0)) for s in steps],
+        "step_s": [float(by_step[s]["timing/train/total_step_time"]) for s in steps],
+    }
+    Path(args.out).write_text(json.dumps(rec))
+
+
+def spawn(arm: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, __file__, "--worker", arm, "--out", str(out)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{arm} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="on/off alternations")
+    p.add_argument("--steps", type=int, default=10, help="steady steps per run (after warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="leading steps discarded per run (>= 1)")
+    p.add_argument("--reps", type=int, default=200, help="timings per digest kernel")
+    p.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return run_worker(args)
+    kernels(args.reps)
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for arm in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                runs[arm].append(spawn(arm, args, Path(tmp) / f"{arm}{r}.json"))
+    med = {arm: {k: statistics.median([x for run in rs for x in run[k]]) for k in rs[0]} for arm, rs in runs.items()}
+    print(f"default run, {args.rounds} rounds x {args.steps} steady steps per arm, medians per step:")
+    for arm in ("off", "on"):
+        m = med[arm]
+        print(
+            f"  checksums {arm:3s}: CPU {m['cpu']:.4f} s | wall {m['step_s']:.4f} s | data plane {m['data_plane_ms']:.2f}"
+            f" ms | checksums {m['checksum_ms']:.2f} ms"
+        )
+    on, off = med["on"], med["off"]
+    print(f"  CPU s/step on/off: {on['cpu'] / off['cpu']:.4f}")
+    print(f"  checksum ms / CPU ms per step (on): {on['checksum_ms'] / (on['cpu'] * 1e3):.4%}")
+
+
+if __name__ == "__main__":
+    main()
