@@ -68,31 +68,41 @@ def _row_digests(col: Column) -> np.ndarray:
     return _digests_torch(words, col.lengths).cpu().numpy()
 
 
+_weights_cache = np.zeros(0, dtype=np.uint64)
+
+
+def _weights_numpy(n: int) -> np.ndarray:
+    """`[n]` word weights `M (2 g + 1)` for positions g < n, from a cache grown by doubling (the same few sizes
+    recur every step)."""
+    global _weights_cache
+    cache = _weights_cache
+    if cache.shape[0] < n:
+        g = np.arange(max(n, 2 * cache.shape[0], 4096), dtype=np.uint64)
+        cache = (g * np.uint64(2) + np.uint64(1)) * np.uint64(_M)
+        _weights_cache = cache
+    return cache[:n]
+
+
 def _digests_numpy(words: np.ndarray, lengths: np.ndarray | None) -> np.ndarray:
     """`[N]` digests of `[R, W]` integer words; uint64 arithmetic wraps modulo 2**64."""
     width = words.shape[1]
-    x = words.astype(np.int64).view(np.uint64) + np.uint64(_C)  # [R, W], sign-extended like torch's .to(int64)
-    m = np.uint64(_M)
+    x = words.astype(np.int64, copy=False).view(np.uint64) + np.uint64(_C)  # [R, W], sign-extended like torch
     if lengths is None:  # dense: row i is x[i]
-        w = (np.arange(width, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * m  # [W]
-        return _fold_numpy((x * w).sum(1, dtype=np.uint64))
+        return _fold_numpy((x * _weights_numpy(width)).sum(1, dtype=np.uint64))
     # Row-relative weights without a per-token row index: with g the word's position in the flat column and s the
-    # row's first word, sum x M (2(g-s)+1) = sum x M (2g+1) - 2 M s sum x: two prefix sums.
+    # row's first word, sum x M (2(g-s)+1) = sum x M (2g+1) - 2 M s sum x: two segment sums over the flat column.
     flat = x.reshape(-1)  # [T * W]
-    g = np.arange(flat.shape[0], dtype=np.uint64)
-    bounds = np.zeros(lengths.shape[0] + 1, dtype=np.uint64)  # [N + 1] row bounds in words
-    np.cumsum(lengths.astype(np.uint64) * np.uint64(width), out=bounds[1:])
-    idx = bounds.astype(np.int64)
-    weighted = _prefix_numpy(flat * ((g * np.uint64(2) + np.uint64(1)) * m))[idx]  # [N + 1]
-    plain = _prefix_numpy(flat)[idx]  # [N + 1]
-    h = np.diff(weighted) - np.diff(plain) * bounds[:-1] * (m * np.uint64(2))  # [N]
+    words_per_row = lengths.astype(np.uint64) * np.uint64(width)  # [N]
+    starts = np.cumsum(words_per_row) - words_per_row  # [N]
+    weighted = np.zeros(lengths.shape[0], dtype=np.uint64)
+    plain = np.zeros(lengths.shape[0], dtype=np.uint64)
+    full = np.flatnonzero(words_per_row)  # rows with words; reduceat over their starts sums exactly each row
+    if full.shape[0]:
+        at = starts[full].astype(np.int64)
+        weighted[full] = np.add.reduceat(flat * _weights_numpy(flat.shape[0]), at, dtype=np.uint64)
+        plain[full] = np.add.reduceat(flat, at, dtype=np.uint64)
+    h = weighted - plain * starts * np.uint64(2 * _M)  # [N]
     return _fold_numpy(h + lengths.astype(np.uint64) * np.uint64(_L))
-
-
-def _prefix_numpy(t: np.ndarray) -> np.ndarray:
-    out = np.zeros(t.shape[0] + 1, dtype=np.uint64)
-    np.cumsum(t, out=out[1:])
-    return out
 
 
 def _fold_numpy(h: np.ndarray) -> np.ndarray:

@@ -95,7 +95,7 @@ class DataPlaneMetrics:
                 out.update(s.sketch.to_metrics(base))
             out[PREFIX + "driver_bytes"] = float(self.driver_bytes)
             if self.checksum_seconds is not None:
-                out[PREFIX + CHECKSUM + "ms_total"] = self.checksum_seconds * 1e3
+                out[PREFIX + CHECKSUM + "cpu_ms"] = self.checksum_seconds * 1e3
             if self.unverified_rows:  # only ever non-zero when clients of one store disagree on verify_checksums
                 out[PREFIX + CHECKSUM + "unverified_rows"] = float(self.unverified_rows)
         if held is not None:
@@ -275,7 +275,7 @@ class MeteredDataPlaneClient(DataPlaneClient):
 def merge_clients(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """`data_plane/all/*` over several clients' metrics: per op `ms_p50`, `ms_p90` (from the summed histograms, not
     an average of percentiles), `ms_total` and the summed histogram itself; `ms_total` over every op (the step's
-    data-plane client-seconds, in ms) and `checksum/ms_total`. A part that already carries `data_plane/all/`
+    data-plane client-seconds, in ms) and `checksum/cpu_ms`. A part that already carries `data_plane/all/`
     histograms (a facade that merged its own workers) counts through those."""
     sketches: dict[str, LatencySketch] = {}
     totals: dict[str, float] = {}
@@ -287,7 +287,7 @@ def merge_clients(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
             if not key.startswith(base) or (base == PREFIX and key.startswith(ALL)):
                 continue
             rest = key[len(base) :]
-            if rest == CHECKSUM + "ms_total":
+            if rest == CHECKSUM + "cpu_ms":
                 checksum_ms += value
                 continue
             bits = rest.split("/")
@@ -305,7 +305,7 @@ def merge_clients(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
         out[base + "ms_total"] = totals.get(op, 0.0)
         out.update(sketch.to_metrics(base))
     out[ALL + "ms_total"] = sum(totals.values())
-    out[ALL + CHECKSUM + "ms_total"] = checksum_ms
+    out[ALL + CHECKSUM + "cpu_ms"] = checksum_ms
     return out
 
 

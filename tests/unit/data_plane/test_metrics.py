@@ -115,7 +115,7 @@ def test_percentiles_merge_across_clients_and_nested_facades() -> None:
         c.put_samples(list("abcd"), "train", {"x": torch.zeros(4)})
         c.get_samples(["a"], "train", ["x"])
     d, w, v = driver.metrics(), worker.metrics(), critic.metrics()
-    assert d["data_plane/get/ms_p50"] <= d["data_plane/get/ms_p90"] and d["data_plane/checksum/ms_total"] > 0
+    assert d["data_plane/get/ms_p50"] <= d["data_plane/get/ms_p90"] and d["data_plane/checksum/cpu_ms"] > 0
     facade = {**v, **merge_clients([v])}  # a critic facade that merged its own workers
     merged = merge_clients([d, w, facade])
     sketch = LatencySketch()
@@ -127,8 +127,8 @@ def test_percentiles_merge_across_clients_and_nested_facades() -> None:
     assert merged["data_plane/all/put/ms_total"] == pytest.approx(sum(p["data_plane/put/ms_total"] for p in (d, w, v)))
     want = sum(p[f"data_plane/{op}/ms_total"] for p in (d, w, v) for op in ("register", "put", "get"))
     assert merged["data_plane/all/ms_total"] == pytest.approx(want)
-    assert merged["data_plane/all/checksum/ms_total"] == pytest.approx(
-        sum(p["data_plane/checksum/ms_total"] for p in (d, w, v))
+    assert merged["data_plane/all/checksum/cpu_ms"] == pytest.approx(
+        sum(p["data_plane/checksum/cpu_ms"] for p in (d, w, v))
     )
     out = strip_sketches({**d, **merged})
     assert not [k for k in out if "ms_hist" in k] and "data_plane/all/get/ms_p50" in out
