@@ -6,15 +6,16 @@ Two parts:
    mask, a dense float32 per-row field): relayrl's digest (`checksum.row_digests`, vectorised over the packed
    column) against `zlib.crc32` and `zlib.adler32` per row. Medians of `--reps` timings, microseconds per column.
 2. The default run (`relayrl train` with the shipped config, validation and checkpoints off, 1 torch thread) with
-   checksums on and off, alternating fresh subprocesses `--rounds` times so a shared box disturbs both alike. Per
-   step: CPU seconds between consecutive step ends of the run's process and its children (all threads; the
-   generation engine decodes in a child process) and the run's own
-   `data_plane/all/checksum/cpu_ms` (every client's time computing and verifying checksums). The first
-   `--warmup` steps of each run are discarded. Prints medians and the on/off ratio.
+   checksums on and off side by side: `--rounds` fresh subprocesses, each switching every client's checksums on
+   and off at every step boundary (the store is empty there), starting on and off in turn, so the two arms share
+   the process, the model's progress and the box's load. Per step: CPU seconds between consecutive step ends of
+   the run's process and its children (all threads; the generation engine decodes in a child process) and the
+   run's own `data_plane/all/checksum/cpu_ms` (every client's thread CPU time computing and verifying
+   checksums). The first `--warmup` steps of each run are discarded. Prints medians and the on/off ratio.
 
 Run (about 3 minutes on a 2-core CPU):
 
-    HF_HUB_OFFLINE=1 python bench/data_plane_checksums.py --rounds 3 --steps 10
+    HF_HUB_OFFLINE=1 python bench/data_plane_checksums.py --rounds 4 --steps 20
 """
 
 from __future__ import annotations
@@ -84,11 +85,16 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch
 
     from relayrl.algorithms.setup import run_training
+    from relayrl.data_plane.proxy import ProxyClient
     from relayrl.utils import logger as logger_mod
     from relayrl.utils.config_io import load_config
 
     torch.set_num_threads(1)
-    ends: list[float] = []
+    ends: list[tuple[float, bool]] = []  # (CPU clock at the step's end, checksums on during the step)
+    state = {"on": args.worker == "on"}
+    ProxyClient.verify_checksums = property(  # type: ignore[assignment,method-assign]
+        lambda self: state["on"], lambda self, value: None
+    )
     log_metrics = logger_mod.Logger.log_metrics
     me = psutil.Process()
 
@@ -103,9 +109,10 @@ def run_worker(args: argparse.Namespace) -> None:
         return total
 
     def clocked(self: Any, metrics: dict[str, Any], step: int, prefix: str = "") -> None:
-        if prefix == "timing/train":
-            ends.append(cpu_now())
         log_metrics(self, metrics, step, prefix=prefix)
+        if prefix == "timing/train":
+            ends.append((cpu_now(), state["on"]))
+            state["on"] = not state["on"]  # the next step runs with the other setting
 
     logger_mod.Logger.log_metrics = clocked  # type: ignore[method-assign]
     overrides = [
@@ -117,7 +124,6 @@ def run_worker(args: argparse.Namespace) -> None:
         "logger.tensorboard_enabled=false",
         "logger.progress_bar=false",
         "cluster.torch_num_threads=1",
-        f"data_plane.verify_checksums={args.worker == 'on'}",
     ]
     cfg = load_config(None, overrides)
     with tempfile.TemporaryDirectory(prefix=f"bench_checksums_{args.worker}_") as tmp:
@@ -126,14 +132,17 @@ def run_worker(args: argparse.Namespace) -> None:
     by_step: dict[int, dict[str, Any]] = {}
     for r in rows:
         by_step.setdefault(int(r["step"]), {}).update(r)
-    cpu = [b - a for a, b in zip(ends, ends[1:])]  # step i+1's CPU seconds
-    steps = sorted(by_step)[args.warmup :]
-    rec = {
-        "cpu": cpu[args.warmup - 1 :],
-        "checksum_ms": [float(by_step[s].get("data_plane/all/checksum/cpu_ms", 0.0)) for s in steps],
-        "data_plane_ms": [float(by_step[s].get("data_plane/all/ms_total", 0.0)) for s in steps],
-        "step_s": [float(by_step[s]["timing/train/total_step_time"]) for s in steps],
-    }
+    rec: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
+    for i in range(args.warmup, len(ends)):  # step i + 1
+        arm, row = "on" if ends[i][1] else "off", by_step[i + 1]
+        values = {
+            "cpu": ends[i][0] - ends[i - 1][0],
+            "checksum_ms": float(row.get("data_plane/all/checksum/cpu_ms", 0.0)),
+            "data_plane_ms": float(row.get("data_plane/all/ms_total", 0.0)),
+            "step_s": float(row["timing/train/total_step_time"]),
+        }
+        for k, v in values.items():
+            rec[arm].setdefault(k, []).append(v)
     Path(args.out).write_text(json.dumps(rec))
 
 
@@ -153,23 +162,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="steady steps per run (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="leading steps discarded per run (>= 1)")
     p.add_argument("--reps", type=int, default=200, help="timings per digest kernel")
-    p.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)  # the first step's setting
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return run_worker(args)
     kernels(args.reps)
-    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    runs: list[dict[str, dict[str, list[float]]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for arm in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                runs[arm].append(spawn(arm, args, Path(tmp) / f"{arm}{r}.json"))
-    med = {arm: {k: statistics.median([x for run in rs for x in run[k]]) for k in rs[0]} for arm, rs in runs.items()}
-    print(f"default run, {args.rounds} rounds x {args.steps} steady steps per arm, medians per step:")
+            first = "on" if r % 2 == 0 else "off"
+            runs.append(spawn(first, args, Path(tmp) / f"run{r}.json"))
+    med = {
+        arm: {k: statistics.median([x for run in runs for x in run[arm][k]]) for k in runs[0][arm]}
+        for arm in ("on", "off")
+    }
+    n = {arm: sum(len(run[arm]["cpu"]) for run in runs) for arm in ("on", "off")}
+    print(f"default run, {args.rounds} runs x {args.steps} steady steps alternating, medians per step:")
     for arm in ("off", "on"):
         m = med[arm]
         print(
-            f"  checksums {arm:3s}: CPU {m['cpu']:.4f} s | wall {m['step_s']:.4f} s | data plane {m['data_plane_ms']:.2f}"
+            f"  checksums {arm:3s} ({n[arm]} steps): CPU {m['cpu']:.4f} s | wall {m['step_s']:.4f} s | data plane {m['data_plane_ms']:.2f}"
             f" ms | checksums {m['checksum_ms']:.2f} ms"
         )
     on, off = med["on"], med["off"]

@@ -285,7 +285,7 @@ class ColumnarStore(Ledger, DataPlaneClient):
 class MemoryDataPlaneClient(ProxyClient):
     """A client of a `ColumnarStore` in this process; closing an attached client leaves the store open."""
 
-    def __init__(self, store: ColumnarStore, *, owns_store: bool = True, verify_checksums: bool = False):
+    def __init__(self, store: ColumnarStore, *, owns_store: bool = True, verify_checksums: bool = True):
         super().__init__(verify_checksums=verify_checksums)
         self.store = store
         self._owns_store = owns_store

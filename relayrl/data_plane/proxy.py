@@ -66,7 +66,7 @@ class ProxyClient(DataPlaneClient):
     """Ledger calls forwarded through `_call_within`, the transport each backend supplies; puts and gets are
     checked here once and handed to the backend's `_put` / `_get`, which move the bulk data."""
 
-    def __init__(self, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, *, verify_checksums: bool = False):
+    def __init__(self, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, *, verify_checksums: bool = True):
         self._timeout = call_timeout_s
         self._closed = False
         self.verify_checksums = verify_checksums

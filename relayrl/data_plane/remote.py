@@ -128,7 +128,7 @@ class RemoteClient(ProxyClient):
         *,
         owns_actor: bool,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-        verify_checksums: bool = False,
+        verify_checksums: bool = True,
     ):
         super().__init__(call_timeout_s, verify_checksums=verify_checksums)
         self._actor = actor

@@ -142,7 +142,7 @@ class TQDataPlaneClient(RemoteClient):
         *,
         owns_tq: bool,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-        verify_checksums: bool = False,
+        verify_checksums: bool = True,
     ):
         super().__init__(ledger, owns_actor=owns_tq, call_timeout_s=call_timeout_s, verify_checksums=verify_checksums)
         self._tq_client = tq.get_client()

@@ -107,12 +107,12 @@ def test_default_step_moves_at_most_two_percent_of_store_bytes_through_the_drive
     rows, steps = {}, {}
     for dp in ("true", "false"):
         run_dir = tmp_path / f"dp_{dp}"
-        checksums = ["data_plane.verify_checksums=true"] if dp == "true" else []  # verified end to end, no alarm
-        assert main(["train", "--run-dir", str(run_dir), *common, f"data_plane.enabled={dp}", *checksums]) == 0
+        assert main(["train", "--run-dir", str(run_dir), *common, f"data_plane.enabled={dp}"]) == 0
         rows[dp] = next(r for r in metrics_rows(run_dir) if "train/driver_bytes" in r)
         steps[dp] = {k: v for r in metrics_rows(run_dir) if r["step"] == 1 for k, v in r.items()}
     dp_row, legacy_row = rows["true"], rows["false"]
-    # Issue 28: latency percentiles over every client and the data plane's share of the step (data-plane runs only)
+    # Issue 28: latency percentiles over every client, the data plane's share of the step (data-plane runs only) and
+    # checksums on by default: every row of the step verified, no false alarm
     step = steps["true"]
     ops = {k.split("/")[2] for k in step if k.startswith("data_plane/all/") and k.endswith("/ms_p50")}
     assert {"put", "get", "clear"} <= ops

@@ -91,3 +91,13 @@ def test_empty_columns() -> None:
     assert cs.row_digests(Column(torch.zeros(0))).shape == (0,)
     empty_rows = cs.row_digests(Column(torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)))
     assert np.array_equal(empty_rows.numpy(), np.zeros(3, dtype=np.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(COLUMNS))
+def test_digest_on_the_gpu_equals_the_cpu_one(name: str) -> None:
+    """A GPU column is digested where it lives (torch path); the digests equal the CPU (numpy) path's."""
+    col = COLUMNS[name]
+    on_gpu = Column(col.values.cuda(), None if col.lengths is None else col.lengths.cuda())
+    assert torch.equal(cs.row_digests(on_gpu), cs.row_digests(col))
