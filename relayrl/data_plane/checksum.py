@@ -9,11 +9,12 @@ raw bits, modulo 2**64:
     digest(row) = fold( sum_j (word_j + C) * M * (2 j + 1)  +  len(row) * L )
 
 with `word_j` the row's bits read as integers (the widest of 8/4/2/1 bytes that divides one token), `j` the word's
-position in the row and M, L odd constants. Any change of a single word changes the sum (an odd factor times a
-non-zero difference is non-zero modulo 2**64), swapped words change it (their weights differ), a row of repeated
-values zeroed changes it (unlike an XOR fold, equal words do not cancel), and a changed jagged length changes it.
-It is not a cryptographic hash: it guards against corruption, not against an adversary. The result is folded to 63
-bits so that -1 can mean "no checksum recorded".
+position in the row and M, L odd constants. Any change of a single word changes the 64-bit sum (an odd factor
+times a non-zero difference is non-zero modulo 2**64), swapped words change it (their weights differ), a row of
+repeated values zeroed changes it (unlike an XOR fold, equal words do not cancel), and a changed jagged length
+changes it. The sum is folded to 63 bits (bit 63 into bit 0) so that -1 can mean "no checksum recorded"; the fold
+hides a change only if it moves the sum by exactly 2**63 +- 1. It is not a cryptographic hash: it guards against
+corruption, not against an adversary.
 """
 
 from __future__ import annotations
