@@ -249,6 +249,7 @@ class GRPOSyncSteps:
             )
         with timer.time("data_plane"):  # the step's store counters, merged over every client
             dp_metrics = self._byte_metrics(meta, metrics)
+        dp_seconds = dp_metrics.get("data_plane/all/ms_total", 0.0) / 1e3  # for data_plane/share_of_step
         with timer.time("logging"):  # and its sample rows
             self.logger.log_metrics(dp_metrics, step)
             if "non_finite_drop" in carry:
@@ -256,7 +257,7 @@ class GRPOSyncSteps:
             self.num_gen_batches, self.pending_rewards, self.carry_bytes = 0, [], 0
             samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
         metrics.update(self.source.after_step(step))  # async: weights published, the batch's partition retired
-        return StepOutput(metrics, samples)
+        return StepOutput(metrics, samples, data_plane_seconds=dp_seconds)
 
     def _rewards(self, meta: KVBatchMeta, carry: BatchedDataDict) -> torch.Tensor:
         """Scaling/shaping, then the per-prompt baseline and std, stamped on the handle's tags. Returns rewards [B]."""

@@ -230,7 +230,8 @@ class PPOSyncSteps:
             if drop is not None:
                 metrics["non_finite_samples_skipped"] = float(drop.sum())
         metrics.update(self.source.after_step(step))
-        return StepOutput(metrics, samples, {"critic": critic_metrics})
+        dp_seconds = dp_metrics.get("data_plane/all/ms_total", 0.0) / 1e3
+        return StepOutput(metrics, samples, {"critic": critic_metrics}, data_plane_seconds=dp_seconds)
 
     def _filter(
         self, meta: KVBatchMeta, carry: BatchedDataDict, rewards: torch.Tensor

@@ -48,6 +48,8 @@ class StepOutput:
     metrics: Metrics
     samples: list[dict[str, object]]
     extra: dict[str, Metrics] = dataclasses.field(default_factory=dict)
+    data_plane_seconds: float | None = None
+    """Data-plane trainers: the step's seconds in data-plane calls over every client (`data_plane/share_of_step`)."""
 
 
 class TrainerSteps(Protocol):
@@ -107,7 +109,11 @@ def run_loop(trainer: TrainerSteps, parts: LoopParts) -> dict[str, object]:
                         timer.stop(TOTAL)
                         continue
                     done, last = tail.finish(
-                        step, out.metrics, out.samples, stop_requested=lambda: bool(stop.requested)
+                        step,
+                        out.metrics,
+                        out.samples,
+                        stop_requested=lambda: bool(stop.requested),
+                        data_plane_seconds=out.data_plane_seconds,
                     )
                     last.update(out.extra)
                     if stop.requested is not None:  # also a signal that came after the tail's checkpoint decision
@@ -280,6 +286,7 @@ class StepTail:
         metrics: Metrics,
         samples: list[dict[str, object]],
         stop_requested: Callable[[], bool] = lambda: False,
+        data_plane_seconds: float | None = None,
     ) -> tuple[bool, dict[str, object]]:
         """Validate if due, update counters, log the step, checkpoint if due (or a stop was requested), log its timing. Returns (stop, last
         metrics)."""
@@ -315,6 +322,8 @@ class StepTail:
         timing = timer.get_timing_metrics("sum")
         timing[UNACCOUNTED] = phase_remainder(timing)
         p.logger.log_metrics(timing, step, prefix="timing/train")
+        if data_plane_seconds is not None:
+            p.logger.log_metrics({"share_of_step": data_plane_seconds / step_time}, step, prefix="data_plane")
         perf = {
             "samples_per_sec": r.rows_per_step / step_time,
             "tokens_per_sec": metrics["total_num_tokens"] / step_time,

@@ -170,7 +170,7 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.algorithms.runner import CheckpointIncompleteError, CheckpointWriteError
     from relayrl.algorithms.setup import ResumeOptions, SetupError, run_training
     from relayrl.algorithms.trainer_common import NonFiniteError
-    from relayrl.data_plane.interfaces import DataPlaneClosedError
+    from relayrl.data_plane.interfaces import ChecksumMismatchError, DataPlaneClosedError
     from relayrl.distributed.errors import ActorLostError, WorkerDiedError
     from relayrl.distributed.refit_digest import RefitVerificationError
     from relayrl.environments.reward_fn_env import RewardFunctionError
@@ -210,6 +210,9 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     except CheckpointIncompleteError as exc:  # not published: the previous checkpoint is still the resume point
         print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
+        return 1
+    except ChecksumMismatchError as exc:  # a data-plane row changed after its put: names key and field
+        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
         return 1
     except (ActorLostError, DataPlaneClosedError) as exc:  # a Ray actor of the run died (the store, the rollouts)
         print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)

@@ -354,6 +354,9 @@ class DataPlaneConfig(Strict):
     """Deadline for starting or attaching to a remote store."""
     num_storage_units: PositiveInt = 2
     """transfer_queue only: storage unit actors started at bootstrap."""
+    verify_checksums: bool = True
+    """Every put records a checksum per row and field (computed where the data is); every get verifies the rows
+    and fields it fetched, so a row changed in the store or in transit fails that get naming its key and field."""
 
     @model_validator(mode="before")
     @classmethod

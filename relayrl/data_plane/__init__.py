@@ -12,7 +12,8 @@ What lives here (one copy of each mechanism):
   `RemoteClient`); `ray_store` the `ray` backend (a `ColumnarStore` in a named actor); `tq_adapter` the
   `transfer_queue` backend (bulk data in TransferQueue, bookkeeping in a hosted `Ledger`).
 - `recorder` the flight recorder's Parquet files (one step's columns, `RUN_DIR/rollouts/step_NNNNNN.parquet`);
-  `metrics` the `data_plane/*` counters wrapper; `factory` config -> client; `column_io`, `preshard`, `worker`
+  `metrics` the `data_plane/*` counters wrapper (`latency` its mergeable percentile histograms); `checksum` the
+  per-row checksums put records and get verifies; `factory` config -> client; `column_io`, `preshard`, `worker`
   the helpers trainers and workers use.
 
 Imports: this package may import only `relayrl.distributed`, `relayrl.utils`, `relayrl.config` and itself, never

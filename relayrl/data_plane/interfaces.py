@@ -81,6 +81,17 @@ class CapacityExceededError(DataPlaneError, RuntimeError):
     """A put would hold more samples than `storage_capacity` allows."""
 
 
+class ChecksumMismatchError(DataPlaneError):
+    """A fetched row differs from what was put (`data_plane.verify_checksums`); names the key and the field."""
+
+    def __init__(self, message: str, key: str = "", field: str = ""):
+        super().__init__(message)
+        self.key, self.field = key, field
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray processes despite the extra arguments
+        return (type(self), (self.args[0], self.key, self.field))
+
+
 class DataPlaneClosedError(DataPlaneError, RuntimeError):
     """The client (or its store) was closed."""
 

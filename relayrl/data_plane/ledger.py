@@ -52,6 +52,7 @@ class PartitionRecord:
     reserved: set[str] = field(default_factory=set)  # new keys of puts in flight
     schema: dict[str, FieldSpec] = field(default_factory=dict)
     written: dict[str, torch.Tensor] = field(default_factory=dict)  # field -> [row_capacity] int64, -1 = not written
+    checksums: dict[str, torch.Tensor] = field(default_factory=dict)  # field -> [row_capacity] int64, -1 = none
     next_row: int = 0
     row_capacity: int = 0
     tags: dict[str, Tags] = field(default_factory=dict)
@@ -61,9 +62,18 @@ class PartitionRecord:
         if needed <= self.row_capacity:
             return
         cap = max(needed, 2 * self.row_capacity, 1024)
-        for name, old in self.written.items():
-            self.written[name] = torch.cat([old, torch.full((cap - old.shape[0],), -1, dtype=torch.int64)])
+        for arrays in (self.written, self.checksums):
+            for name, old in arrays.items():
+                arrays[name] = torch.cat([old, torch.full((cap - old.shape[0],), -1, dtype=torch.int64)])
         self.row_capacity = cap
+
+    def checksums_of(self, rows: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Each field's recorded checksums of `rows` `[n]` (-1 where none was recorded)."""
+        out = {}
+        for name in names:
+            sums = self.checksums.get(name)
+            out[name] = torch.full((rows.shape[0],), -1, dtype=torch.int64) if sums is None else sums[rows]
+        return out
 
     def row_ids(self, keys: Sequence[str]) -> torch.Tensor:
         return torch.tensor([self.rows[k] for k in keys], dtype=torch.int64)  # [n]
@@ -119,6 +129,7 @@ class Ledger(LedgerStateMixin):
             consumed.clear()
         for name in part.written:
             part.written[name] = torch.empty(0, dtype=torch.int64)
+        part.checksums.clear()
         part.next_row = part.row_capacity = 0
         self._forget(partition_id, None)
 
@@ -267,18 +278,23 @@ class Ledger(LedgerStateMixin):
         keys: list[str],
         lengths: Mapping[str, torch.Tensor | None],
         tags: Sequence[Tags] | None,
+        checksums: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Publish a reserved put: every key and field becomes visible at once. `lengths[name]` is the field's
-        `[n]` token counts (jagged) or None (dense)."""
+        `[n]` token counts (jagged) or None (dense); `checksums[name]` its `[n]` row checksums, if computed."""
         with self._lock:
-            self._publish(self._part(partition_id), keys, lengths, tags)
+            self._publish(self._part(partition_id), keys, lengths, tags, checksums)
             self._changed.notify_all()
 
     @staticmethod
     def _publish(
-        part: PartitionRecord, keys: list[str], lengths: Mapping[str, torch.Tensor | None], tags: Sequence[Tags] | None
+        part: PartitionRecord,
+        keys: list[str],
+        lengths: Mapping[str, torch.Tensor | None],
+        tags: Sequence[Tags] | None,
+        checksums: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Row ids for new keys, written marks, tags; returns the put's row ids `[n]` in key order."""
+        """Row ids for new keys, written marks, checksums, tags; returns the put's row ids `[n]` in key order."""
         new_keys = [k for k in keys if k not in part.rows]
         part.reserved.difference_update(new_keys)
         first = part.next_row
@@ -292,6 +308,13 @@ class Ledger(LedgerStateMixin):
         for name, lens in lengths.items():
             mark = torch.ones(len(keys), dtype=torch.int64) if lens is None else lens  # [n]
             part.written[name].index_copy_(0, rows, mark)
+            sums = None if checksums is None else checksums.get(name)
+            if sums is not None:
+                if name not in part.checksums:
+                    part.checksums[name] = torch.full((part.row_capacity,), -1, dtype=torch.int64)
+                part.checksums[name].index_copy_(0, rows, sums.to(torch.int64))
+            elif name in part.checksums:  # written without one: an older checksum must not vouch for it
+                part.checksums[name].index_fill_(0, rows, -1)
         if tags is not None:
             for k, t in zip(keys, tags):
                 part.tags.setdefault(k, {}).update(t)
@@ -323,6 +346,15 @@ class Ledger(LedgerStateMixin):
             part = self._part(partition_id)
             self._rows_for_get(part, partition_id, keys, names)
             return {name: part.schema[name] for name in names}
+
+    def check_get_checksums(
+        self, partition_id: str, keys: list[str], names: list[str]
+    ) -> tuple[dict[str, FieldSpec], dict[str, torch.Tensor]]:
+        """`check_get`, plus each field's recorded row checksums `[n]` in `keys` order (-1: none recorded)."""
+        with self._lock:
+            part = self._part(partition_id)
+            rows = self._rows_for_get(part, partition_id, keys, names)  # [n]
+            return {name: part.schema[name] for name in names}, part.checksums_of(rows, names)
 
     def _rows_for_get(
         self, part: PartitionRecord, partition_id: str, keys: list[str], names: list[str]

@@ -173,7 +173,9 @@ class ColumnarStore(Ledger, DataPlaneClient):
         partition_id: str,
         fields: Mapping[str, FieldValue],
         tags: Sequence[Mapping[str, Any]] | None = None,
+        checksums: Mapping[str, torch.Tensor] | None = None,
     ) -> KVBatchMeta:
+        """A put; `checksums` (`[n]` per field, see checksum.py) are recorded for the getter to verify."""
         key_list, cols = check_put(keys, fields, tags)
         tag_list = None if tags is None else [dict(t) for t in tags]
         # Copy outside the lock (the only bulk work of a put), then validate and publish atomically.
@@ -193,7 +195,8 @@ class ColumnarStore(Ledger, DataPlaneClient):
         with self._lock:
             part = self._part(partition_id)
             self._reserve(part, partition_id, key_list, {name: FieldSpec.of(c) for name, c in cols.items()})
-            rows = self._publish(part, key_list, {name: lens for name, (_, lens) in staged.items()}, tag_list)
+            marks = {name: lens for name, (_, lens) in staged.items()}
+            rows = self._publish(part, key_list, marks, tag_list, checksums)
             if key_list:
                 self._store(self._columns.setdefault(partition_id, {}), part.row_capacity, rows, staged)
             self._changed.notify_all()
@@ -232,6 +235,22 @@ class ColumnarStore(Ledger, DataPlaneClient):
             fs.next_seg += 1
 
     def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
+        return self._gather_rows(keys, partition_id, select_fields, None)
+
+    def get_samples_checked(
+        self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]
+    ) -> tuple[FieldBatch, dict[str, torch.Tensor]]:
+        """`get_samples` plus each field's checksums recorded at put (`[n]`, -1 where none), read atomically."""
+        checksums: dict[str, torch.Tensor] = {}
+        return self._gather_rows(keys, partition_id, select_fields, checksums), checksums
+
+    def _gather_rows(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        select_fields: Sequence[str],
+        checksums: dict[str, torch.Tensor] | None,
+    ) -> FieldBatch:
         if isinstance(select_fields, str):
             raise TypeError("select_fields must be a sequence of field names, not a single string")
         keys = list(keys)
@@ -239,6 +258,8 @@ class ColumnarStore(Ledger, DataPlaneClient):
         with self._lock:
             part = self._part(partition_id)
             rows = self._rows_for_get(part, partition_id, keys, names)  # [n]
+            if checksums is not None:
+                checksums.update(part.checksums_of(rows, names))
             columns = self._columns.get(partition_id, {})
             plan: list[tuple[str, FieldSpec, torch.Tensor, torch.Tensor, dict[int, _Segment]]] = []
             for name in names:
@@ -264,8 +285,8 @@ class ColumnarStore(Ledger, DataPlaneClient):
 class MemoryDataPlaneClient(ProxyClient):
     """A client of a `ColumnarStore` in this process; closing an attached client leaves the store open."""
 
-    def __init__(self, store: ColumnarStore, *, owns_store: bool = True):
-        super().__init__()
+    def __init__(self, store: ColumnarStore, *, owns_store: bool = True, verify_checksums: bool = True):
+        super().__init__(verify_checksums=verify_checksums)
         self.store = store
         self._owns_store = owns_store
 
@@ -276,11 +297,23 @@ class MemoryDataPlaneClient(ProxyClient):
         bound: Callable[P, R] = getattr(self.store, method.__name__)  # the store's own override runs
         return bound(*args, **kwargs)
 
-    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
-        return self._call(ColumnarStore.put_samples, keys, partition_id, cols, tags)
+    def _put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        cols: dict[str, Column],
+        tags: list[Tags] | None,
+        checksums: dict[str, torch.Tensor] | None,
+    ) -> KVBatchMeta:
+        return self._call(ColumnarStore.put_samples, keys, partition_id, cols, tags, checksums)
 
     def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
         return self._call(ColumnarStore.get_samples, keys, partition_id, names)
+
+    def _get_checked(
+        self, keys: list[str], partition_id: str, names: list[str]
+    ) -> tuple[FieldBatch, dict[str, torch.Tensor]]:
+        return self._call(ColumnarStore.get_samples_checked, keys, partition_id, names)
 
     def close(self) -> None:
         if self._closed:
@@ -300,10 +333,10 @@ def build_client(cfg: DataPlaneConfig, *, bootstrap: bool) -> MemoryDataPlaneCli
     with _process_lock:
         if bootstrap:
             _process_store = ColumnarStore(cfg.storage_capacity)
-            return MemoryDataPlaneClient(_process_store, owns_store=True)
+            return MemoryDataPlaneClient(_process_store, owns_store=True, verify_checksums=cfg.verify_checksums)
         if _process_store is None or _process_store.closed:
             raise RuntimeError(
                 "no memory data plane store in this process: the memory backend only serves workers living in "
                 "the driver process; build it with bootstrap=True first, or use data_plane.backend='ray'"
             )
-        return MemoryDataPlaneClient(_process_store, owns_store=False)
+        return MemoryDataPlaneClient(_process_store, owns_store=False, verify_checksums=cfg.verify_checksums)

@@ -1,8 +1,11 @@
-"""Observability: per-operation counts, keys, bytes and latencies, bytes held per partition, and bytes that
-passed through the driver, exposed as flat `data_plane/*` metrics for the trainer's logger.
+"""Observability: per-operation counts, keys, bytes and latencies (mean, max, p50, p90), bytes held per partition,
+bytes that passed through the driver and the cost of row checksums, exposed as flat `data_plane/*` metrics for the
+trainer's logger.
 
 `MeteredDataPlaneClient` wraps any backend (the factory always applies it); each call is timed once and
-recorded whether it succeeds or fails, then re-raised unchanged.
+recorded whether it succeeds or fails, then re-raised unchanged. Each client also ships its latency histograms
+(`latency.py`); `merge_clients` adds up those of every client of a step (driver, workers, rollout actor) into
+`data_plane/all/*` percentiles, and `strip_sketches` drops the histograms before a dict is logged.
 """
 
 from __future__ import annotations
@@ -10,13 +13,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from relayrl.data_plane.codec import batch_nbytes
 from relayrl.data_plane.interfaces import DataPlaneClient, FieldBatch, FieldValue, KVBatchMeta
+from relayrl.data_plane.latency import HIST, LatencySketch
 
 PREFIX = "data_plane/"
+ALL = PREFIX + "all/"
+CHECKSUM = "checksum/"
 R = TypeVar("R")
 
 
@@ -28,6 +34,7 @@ class OpStats:
     bytes: int = 0
     seconds_total: float = 0.0
     seconds_max: float = 0.0
+    sketch: LatencySketch = field(default_factory=LatencySketch)
 
 
 class DataPlaneMetrics:
@@ -37,6 +44,8 @@ class DataPlaneMetrics:
         self._lock = threading.Lock()
         self.ops: dict[str, OpStats] = {}
         self.driver_bytes = 0
+        self.checksum_seconds: float | None = None  # None: the client computes no checksums
+        self.unverified_rows = 0
 
     def record(self, op: str, *, n_keys: int, n_bytes: int, seconds: float, ok: bool) -> None:
         with self._lock:
@@ -44,6 +53,7 @@ class DataPlaneMetrics:
             s.count += 1
             s.seconds_total += seconds
             s.seconds_max = max(s.seconds_max, seconds)
+            s.sketch.add(seconds * 1e3)
             if ok:
                 s.keys += n_keys
                 s.bytes += n_bytes
@@ -55,10 +65,18 @@ class DataPlaneMetrics:
         with self._lock:
             self.driver_bytes += n
 
+    def add_checksums(self, seconds: float, unverified: int) -> None:
+        """Seconds this client spent computing and verifying row checksums; rows that had none to verify."""
+        with self._lock:
+            self.checksum_seconds = (self.checksum_seconds or 0.0) + seconds
+            self.unverified_rows += unverified
+
     def reset(self) -> None:
         with self._lock:
             self.ops.clear()
             self.driver_bytes = 0
+            self.checksum_seconds = None if self.checksum_seconds is None else 0.0
+            self.unverified_rows = 0
 
     def as_dict(self, held: Mapping[str, int] | None = None) -> dict[str, float]:
         with self._lock:
@@ -72,7 +90,14 @@ class DataPlaneMetrics:
                 out[base + "ms_total"] = s.seconds_total * 1e3
                 out[base + "ms_mean"] = s.seconds_total * 1e3 / s.count
                 out[base + "ms_max"] = s.seconds_max * 1e3
+                out[base + "ms_p50"] = s.sketch.quantile(0.5)
+                out[base + "ms_p90"] = s.sketch.quantile(0.9)
+                out.update(s.sketch.to_metrics(base))
             out[PREFIX + "driver_bytes"] = float(self.driver_bytes)
+            if self.checksum_seconds is not None:
+                out[PREFIX + CHECKSUM + "cpu_ms"] = self.checksum_seconds * 1e3
+            if self.unverified_rows:  # only ever non-zero when clients of one store disagree on verify_checksums
+                out[PREFIX + CHECKSUM + "unverified_rows"] = float(self.unverified_rows)
         if held is not None:
             for pid, n in sorted(held.items()):
                 out[f"{PREFIX}held_bytes/{pid}"] = float(n)
@@ -238,7 +263,54 @@ class MeteredDataPlaneClient(DataPlaneClient):
             held: dict[str, int] | None = self.inner.bytes_held()
         except Exception:  # a closed or unreachable backend still reports its counters
             held = None
+        checksums = getattr(self.inner, "checksums", None)
+        if checksums is not None and getattr(self.inner, "verify_checksums", False):
+            self.stats.add_checksums(*checksums.take())
         out = self.stats.as_dict(held)
         if reset:
             self.stats.reset()
         return out
+
+
+def merge_clients(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """`data_plane/all/*` over several clients' metrics: per op `ms_p50`, `ms_p90` (from the summed histograms, not
+    an average of percentiles), `ms_total` and the summed histogram itself; `ms_total` over every op (the step's
+    data-plane client-seconds, in ms) and `checksum/cpu_ms`. A part that already carries `data_plane/all/`
+    histograms (a facade that merged its own workers) counts through those."""
+    sketches: dict[str, LatencySketch] = {}
+    totals: dict[str, float] = {}
+    checksum_ms = 0.0
+    for part in parts:
+        base = ALL if any(k.startswith(ALL) and HIST in k for k in part) else PREFIX
+        hists: dict[str, list[tuple[str, float]]] = {}
+        for key, value in part.items():
+            if not key.startswith(base) or (base == PREFIX and key.startswith(ALL)):
+                continue
+            rest = key[len(base) :]
+            if rest == CHECKSUM + "cpu_ms":
+                checksum_ms += value
+                continue
+            bits = rest.split("/")
+            if len(bits) == 3 and bits[1] + "/" == HIST:
+                hists.setdefault(bits[0], []).append((key, value))
+            elif len(bits) == 2 and bits[1] == "ms_total":
+                totals[bits[0]] = totals.get(bits[0], 0.0) + value
+        for op, items in hists.items():
+            sketches.setdefault(op, LatencySketch()).merge(LatencySketch.from_metrics(items))
+    out: dict[str, float] = {}
+    for op in sorted(sketches):
+        sketch, base = sketches[op], f"{ALL}{op}/"
+        out[base + "ms_p50"] = sketch.quantile(0.5)
+        out[base + "ms_p90"] = sketch.quantile(0.9)
+        out[base + "ms_total"] = totals.get(op, 0.0)
+        out.update(sketch.to_metrics(base))
+    out[ALL + "ms_total"] = sum(totals.values())
+    out[ALL + CHECKSUM + "cpu_ms"] = checksum_ms
+    return out
+
+
+def strip_sketches(metrics: dict[str, float]) -> dict[str, float]:
+    """Drop the latency histograms (merge material, not something to log) in place; returns `metrics`."""
+    for key in [k for k in metrics if "/" + HIST in k]:
+        del metrics[key]
+    return metrics

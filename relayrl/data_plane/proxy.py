@@ -11,10 +11,15 @@ subclass's override (the memory store's `bytes_held`) is what runs.
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import torch
+
+from relayrl.data_plane.checksum import batch_digests, verify_rows
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import (
     DataPlaneClient,
@@ -35,13 +40,37 @@ DEFAULT_CALL_TIMEOUT_S = 120.0
 """Upper bound for one put/get/clear round trip; a dead or wedged store surfaces as an error, not a hang."""
 
 
+class ChecksumStats:
+    """What checksums cost this client (CPU seconds of the calling threads computing and verifying them: a wait for
+    the GIL or a busy core is not their cost) and rows that carried none."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+        self.unverified = 0
+
+    def add(self, seconds: float, unverified: int) -> None:
+        with self._lock:
+            self.seconds += seconds
+            self.unverified += unverified
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, unverified rows) since the last take."""
+        with self._lock:
+            out = (self.seconds, self.unverified)
+            self.seconds, self.unverified = 0.0, 0
+            return out
+
+
 class ProxyClient(DataPlaneClient):
     """Ledger calls forwarded through `_call_within`, the transport each backend supplies; puts and gets are
     checked here once and handed to the backend's `_put` / `_get`, which move the bulk data."""
 
-    def __init__(self, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+    def __init__(self, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, *, verify_checksums: bool = True):
         self._timeout = call_timeout_s
         self._closed = False
+        self.verify_checksums = verify_checksums
+        self.checksums = ChecksumStats()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -102,20 +131,49 @@ class ProxyClient(DataPlaneClient):
     ) -> KVBatchMeta:
         self._check_open()
         key_list, cols = check_put(keys, fields, tags)
-        return self._put(key_list, partition_id, cols, None if tags is None else [dict(t) for t in tags])
+        sums = None
+        if self.verify_checksums:
+            start = time.thread_time()
+            sums = batch_digests(cols)
+            self.checksums.add(time.thread_time() - start, 0)
+        return self._put(key_list, partition_id, cols, None if tags is None else [dict(t) for t in tags], sums)
 
     @abstractmethod
-    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
-        """Store a put whose arguments are consistent (`check_put`); the store validates it against the ledger."""
+    def _put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        cols: dict[str, Column],
+        tags: list[Tags] | None,
+        checksums: dict[str, torch.Tensor] | None,
+    ) -> KVBatchMeta:
+        """Store a put whose arguments are consistent (`check_put`); the store validates it against the ledger and
+        records `checksums` (`[n]` per field) when given."""
 
     def get_samples(self, keys: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> FieldBatch:
         if isinstance(select_fields, str):
             raise TypeError("select_fields must be a sequence of field names, not a single string")
-        return self._get(list(keys), partition_id, list(dict.fromkeys(select_fields)))
+        key_list, names = list(keys), list(dict.fromkeys(select_fields))
+        if not self.verify_checksums:
+            return self._get(key_list, partition_id, names)
+        batch, stored = self._get_checked(key_list, partition_id, names)
+        start = time.thread_time()
+        try:
+            unverified = verify_rows(batch, stored, key_list, partition_id)
+        finally:
+            self.checksums.add(time.thread_time() - start, 0)
+        self.checksums.add(0.0, unverified)
+        return batch
 
     @abstractmethod
     def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
         """Fetch `names` (de-duplicated) for `keys`, rows in key order."""
+
+    @abstractmethod
+    def _get_checked(
+        self, keys: list[str], partition_id: str, names: list[str]
+    ) -> tuple[FieldBatch, dict[str, torch.Tensor]]:
+        """`_get` plus the checksums recorded at put for the same rows and fields (`[n]` each, -1 where none)."""
 
     def clear_samples(self, keys: Sequence[str] | None, partition_id: str) -> int:
         if isinstance(keys, str):

@@ -80,14 +80,27 @@ class StoreActor(LedgerHost):
     def _new_ledger(self, storage_capacity: int) -> ColumnarStore:
         return ColumnarStore(storage_capacity)
 
-    def put(self, keys: list[str], partition_id: str, wire: WireBatch, tags: list[Tags] | None) -> KVBatchMeta:
+    def put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        wire: WireBatch,
+        tags: list[Tags] | None,
+        checksums: dict[str, torch.Tensor] | None = None,
+    ) -> KVBatchMeta:
         # No copy here: the store makes its own private copy of every put.
         cols = {name: column_from_wire(w, copy=False) for name, w in wire.items()}
-        return self.ledger.put_samples(keys, partition_id, cols, tags)
+        return self.ledger.put_samples(keys, partition_id, cols, tags, checksums)
 
     def get(self, keys: list[str], partition_id: str, names: list[str]) -> WireBatch:
         batch = self.ledger.get_samples(keys, partition_id, names)
         return {name: column_to_wire(col) for name, col in batch.items()}
+
+    def get_checked(
+        self, keys: list[str], partition_id: str, names: list[str]
+    ) -> tuple[WireBatch, dict[str, torch.Tensor]]:
+        batch, checksums = self.ledger.get_samples_checked(keys, partition_id, names)
+        return {name: column_to_wire(col) for name, col in batch.items()}, checksums
 
 
 _RemoteStore: ActorClass[LedgerHost] = ray.remote(StoreActor)
@@ -99,17 +112,30 @@ class RayDataPlaneClient(RemoteClient):
 
     _label = "ray data plane"
 
-    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
+    def _put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        cols: dict[str, Column],
+        tags: list[Tags] | None,
+        checksums: dict[str, torch.Tensor] | None,
+    ) -> KVBatchMeta:
         wire = {name: column_to_wire(col) for name, col in cols.items()}
         # Bulk goes to the object store once; Ray hands the actor the value of a top-level ObjectRef argument.
         payload = cast(WireBatch, ray.put(wire))
-        return self._call(StoreActor.put, keys, partition_id, payload, tags)
+        return self._call(StoreActor.put, keys, partition_id, payload, tags, checksums)
 
     def _get(self, keys: list[str], partition_id: str, names: list[str]) -> FieldBatch:
         wire = self._call(StoreActor.get, keys, partition_id, names)
         # Zero-copy: the tensors map this call's own result object in the object store (a copy the store made
         # for this caller alone, so writing to them is safe); it is released when they are dropped.
         return {name: column_from_wire(w, copy=False) for name, w in wire.items()}
+
+    def _get_checked(
+        self, keys: list[str], partition_id: str, names: list[str]
+    ) -> tuple[FieldBatch, dict[str, torch.Tensor]]:
+        wire, checksums = self._call(StoreActor.get_checked, keys, partition_id, names)
+        return {name: column_from_wire(w, copy=False) for name, w in wire.items()}, checksums
 
     def close(self) -> None:
         """Idempotent. The bootstrapping client also stops the actor; attached clients only let go of it."""
@@ -149,7 +175,9 @@ def build_client(
                 f"no ray data plane store named {actor_name!r} in namespace {NAMESPACE!r}; "
                 "the driver must build its client with bootstrap=True first"
             )
-        return RayDataPlaneClient(existing, owns_actor=False, call_timeout_s=timeout)
+        return RayDataPlaneClient(
+            existing, owns_actor=False, call_timeout_s=timeout, verify_checksums=cfg.verify_checksums
+        )
     if existing is not None:
         raise RuntimeError(
             f"a ray data plane store named {actor_name!r} already runs in namespace {NAMESPACE!r}; attach to it "
@@ -168,4 +196,4 @@ def build_client(
         )
     except Exception as e:
         raise RuntimeError(f"the ray data plane store actor did not start: {type(e).__name__}: {e}") from e
-    return RayDataPlaneClient(actor, owns_actor=True, call_timeout_s=timeout)
+    return RayDataPlaneClient(actor, owns_actor=True, call_timeout_s=timeout, verify_checksums=cfg.verify_checksums)

@@ -123,9 +123,14 @@ class RemoteClient(ProxyClient):
     """How errors name this backend's calls (`"<label> <method> did not complete ..."`)."""
 
     def __init__(
-        self, actor: ActorHandle[LedgerHost], *, owns_actor: bool, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+        self,
+        actor: ActorHandle[LedgerHost],
+        *,
+        owns_actor: bool,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        verify_checksums: bool = True,
     ):
-        super().__init__(call_timeout_s)
+        super().__init__(call_timeout_s, verify_checksums=verify_checksums)
         self._actor = actor
         self._owns_actor = owns_actor
 

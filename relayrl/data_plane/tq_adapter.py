@@ -137,9 +137,14 @@ class TQDataPlaneClient(RemoteClient):
     _label = "transfer_queue ledger"
 
     def __init__(
-        self, ledger: ActorHandle[LedgerHost], *, owns_tq: bool, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+        self,
+        ledger: ActorHandle[LedgerHost],
+        *,
+        owns_tq: bool,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        verify_checksums: bool = True,
     ):
-        super().__init__(ledger, owns_actor=owns_tq, call_timeout_s=call_timeout_s)
+        super().__init__(ledger, owns_actor=owns_tq, call_timeout_s=call_timeout_s, verify_checksums=verify_checksums)
         self._tq_client = tq.get_client()
         if not isinstance(getattr(self._tq_client, "_loop", None), asyncio.AbstractEventLoop):
             raise RuntimeError("this transferqueue version has no client event loop; relayrl needs 0.1.10-0.1.x")
@@ -162,7 +167,14 @@ class TQDataPlaneClient(RemoteClient):
             ) from None
 
     # ------------------------------------------------------------------ direct by key
-    def _put(self, keys: list[str], partition_id: str, cols: dict[str, Column], tags: list[Tags] | None) -> KVBatchMeta:
+    def _put(
+        self,
+        keys: list[str],
+        partition_id: str,
+        cols: dict[str, Column],
+        tags: list[Tags] | None,
+        checksums: dict[str, torch.Tensor] | None,
+    ) -> KVBatchMeta:
         n = len(keys)
         specs = {name: FieldSpec.of(col) for name, col in cols.items()}
         new_keys, new_fields = self._call(Ledger.begin_put, partition_id, keys, specs)
@@ -184,7 +196,7 @@ class TQDataPlaneClient(RemoteClient):
             self._roll_back(partition_id, keys, new_keys, list(cols) if sent else [], new_fields)
             raise
         lengths = {name: None if c.lengths is None else c.lengths.to("cpu") for name, c in cols.items()}
-        self._call(Ledger.commit_put, partition_id, keys, lengths, tags)
+        self._call(Ledger.commit_put, partition_id, keys, lengths, tags, checksums)
         return put_receipt(partition_id, keys, list(cols), tags)
 
     def _roll_back(
@@ -204,7 +216,27 @@ class TQDataPlaneClient(RemoteClient):
         check = self._submit(Ledger.check_get, partition_id, keys, names)
         uniq = list(dict.fromkeys(keys))
         meta = self._tq(self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), "get") if uniq else None
-        specs = self._wait(check, "check_get")
+        return self._fetch(keys, uniq, partition_id, names, meta, self._wait(check, "check_get"))
+
+    def _get_checked(
+        self, keys: list[str], partition_id: str, names: list[str]
+    ) -> tuple[FieldBatch, dict[str, torch.Tensor]]:
+        check = self._submit(Ledger.check_get_checksums, partition_id, keys, names)
+        uniq = list(dict.fromkeys(keys))
+        meta = self._tq(self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), "get") if uniq else None
+        specs, checksums = self._wait(check, "check_get")
+        return self._fetch(keys, uniq, partition_id, names, meta, specs), checksums
+
+    def _fetch(
+        self,
+        keys: list[str],
+        uniq: list[str],
+        partition_id: str,
+        names: list[str],
+        meta: Any,
+        specs: dict[str, FieldSpec],
+    ) -> FieldBatch:
+        """The rows TQ holds for the checked get (`specs`: the ledger's schema of `names`), in `keys` order."""
         if not keys or not names:
             return {
                 name: Column(
@@ -332,4 +364,6 @@ def build_client(
     if num_storage_units < 1:
         raise ValueError(f"num_storage_units must be >= 1, got {num_storage_units}")
     ledger = _bootstrap(cfg, num_storage_units, init_timeout_s) if bootstrap else _attach(init_timeout_s)
-    return TQDataPlaneClient(ledger, owns_tq=bootstrap, call_timeout_s=call_timeout_s)
+    return TQDataPlaneClient(
+        ledger, owns_tq=bootstrap, call_timeout_s=call_timeout_s, verify_checksums=cfg.verify_checksums
+    )

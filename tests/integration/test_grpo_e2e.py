@@ -107,12 +107,25 @@ def test_default_step_moves_at_most_two_percent_of_store_bytes_through_the_drive
     """Issue 5: on the default config the data-plane step sends per-row scalars (and a few sample texts) to the
     driver, <= 2% of what it writes to the store; the legacy step moves the whole training batch through it."""
     common = ["grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false"]
-    rows = {}
+    rows, steps = {}, {}
     for dp in ("true", "false"):
         run_dir = tmp_path / f"dp_{dp}"
         assert main(["train", "--run-dir", str(run_dir), *common, f"data_plane.enabled={dp}"]) == 0
         rows[dp] = next(r for r in metrics_rows(run_dir) if "train/driver_bytes" in r)
+        steps[dp] = {k: v for r in metrics_rows(run_dir) if r["step"] == 1 for k, v in r.items()}
     dp_row, legacy_row = rows["true"], rows["false"]
+    # Issue 28: latency percentiles over every client, the data plane's share of the step (data-plane runs only) and
+    # checksums on by default: every row of the step verified, no false alarm
+    step = steps["true"]
+    ops = {k.split("/")[2] for k in step if k.startswith("data_plane/all/") and k.endswith("/ms_p50")}
+    assert {"put", "get", "clear"} <= ops
+    for op in ops:
+        assert 0 < step[f"data_plane/all/{op}/ms_p50"] <= step[f"data_plane/all/{op}/ms_p90"]
+    assert step["data_plane/all/ms_total"] == pytest.approx(sum(step[f"data_plane/all/{op}/ms_total"] for op in ops))
+    share = step["data_plane/all/ms_total"] / 1e3 / step["timing/train/total_step_time"]
+    assert step["data_plane/share_of_step"] == pytest.approx(share) and 0 < share < 1
+    assert 0 < step["data_plane/all/checksum/cpu_ms"] < step["data_plane/all/ms_total"]
+    assert "data_plane/share_of_step" not in steps["false"] and not [k for k in step if "ms_hist" in k]
     assert dp_row["train/driver_fraction_of_store_bytes"] <= 0.02
     assert dp_row["train/driver_bytes"] == pytest.approx(
         dp_row["train/driver_fraction_of_store_bytes"] * dp_row["train/store_bytes_written"]

@@ -130,6 +130,15 @@ def test_grpo_on_ray_one_vs_two_workers(runs: Any, data_plane: bool) -> None:
     assert all(float(two[s]["refit/total_count"]) >= 1 for s in (2, 3))  # generation workers refitted each step
     # the workers' refit, the rollout actor's environment time: phases of a step that add up on Ray too
     assert assert_breakdown_adds_up(runs("grpo", 2, data_plane), timed=("refit", "generation", "environment")) == 3
+    if data_plane:  # issue 28: latency and seconds merged over the driver's, both workers' and the actor's clients
+        for m in (two[s] for s in (1, 2, 3)):
+            own = [
+                k for k in m if k.count("/") == 2 and k.endswith("/ms_total") and not k.startswith("data_plane/all/")
+            ]
+            driver = sum(m[k] for k in own if k.startswith("data_plane/"))  # the driver client's own calls
+            assert m["data_plane/all/ms_total"] > driver and m["data_plane/all/checksum/cpu_ms"] > 0
+            assert 0 < m["data_plane/all/get/ms_p50"] <= m["data_plane/all/get/ms_p90"]
+            assert m["data_plane/share_of_step"] > 0
 
 
 def test_parity_on_the_ray_backend_with_two_workers(runs: Any) -> None:

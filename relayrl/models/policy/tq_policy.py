@@ -20,6 +20,7 @@ import torch
 
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.data_plane.metrics import merge_clients, strip_sketches
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
     LP_SEED_FIELDS,
@@ -192,7 +193,8 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
         `extra` dicts, e.g. the rollout actor's), so a step can log bytes through the driver vs through the store:
 
         `data_plane/all/put_bytes` (written to the store), `data_plane/all/get_bytes` (read from it),
-        `data_plane/driver_bytes` (put+get by the driver) and `data_plane/driver_fraction_of_written`.
+        `data_plane/driver_bytes` (put+get by the driver) and `data_plane/driver_fraction_of_written`; latency
+        percentiles and seconds over every client (`data_plane/all/<op>/ms_p50`, ..., `metrics.merge_clients`).
         """
         out = self.dp_client.metrics(reset)
         parts: list[Mapping[str, float]] = [out, *self._worker_data_plane_metrics(reset), *extra]
@@ -202,7 +204,8 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
         out["data_plane/all/get_bytes"] = read
         driver = out.get("data_plane/driver_bytes", 0.0)
         out["data_plane/driver_fraction_of_written"] = driver / written if written else 0.0
-        return out
+        out.update(merge_clients(parts))
+        return strip_sketches(out)
 
     # ------------------------------------------------------------------ the held Policy (explicit pass-through)
     @property

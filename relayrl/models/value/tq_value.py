@@ -18,6 +18,7 @@ from typing import Any
 from relayrl.algorithms.gae import combine_advantage_stats
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
+from relayrl.data_plane.metrics import merge_clients
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
     REWARDS,
@@ -140,6 +141,7 @@ class TQValue(TQFacade[Value, TQValueWorker], ValueInterface):
         out["data_plane/workers/get_bytes"] = sum(
             m.get("data_plane/get/bytes", 0.0) + m.get("data_plane/get_data/bytes", 0.0) for m in workers
         )
+        out.update(merge_clients([out, *workers]))  # latency histograms of every critic client, for the step's merge
         return out
 
     # ------------------------------------------------------------------ the held Value (explicit pass-through)

@@ -48,3 +48,10 @@ def test_agreeing_flat_and_nested_keys_are_fine() -> None:
 def test_save_data_plane_defaults_off() -> None:
     assert CheckpointingConfig().save_data_plane is False
     assert CheckpointingConfig(save_data_plane=True).save_data_plane is True
+
+
+def test_verify_checksums_is_a_described_bool_on_by_default() -> None:
+    assert DataPlaneConfig().verify_checksums is True
+    assert "checksum" in (DataPlaneConfig.model_fields["verify_checksums"].description or "")
+    with pytest.raises(ValueError, match="verify_checksums"):
+        DataPlaneConfig.model_validate({"verify_checksums": "sometimes"})

@@ -14,10 +14,15 @@ from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import DataPlaneClient
 from relayrl.data_plane.memory import ColumnarStore, MemoryDataPlaneClient, build_client
 from tests.unit.data_plane.contract import CONTRACT_CHECKS
+from tests.unit.data_plane.contract_integrity import (
+    check_corrupted_row_fails_at_get,
+    check_latency_percentiles,
+    corrupt_columnar_store,
+)
 
 
 def make_memory_client(storage_capacity: int = 10_000) -> DataPlaneClient:
-    return MemoryDataPlaneClient(ColumnarStore(storage_capacity))
+    return MemoryDataPlaneClient(ColumnarStore(storage_capacity), verify_checksums=True)
 
 
 def make_factory_client(storage_capacity: int = 10_000) -> DataPlaneClient:
@@ -108,3 +113,26 @@ def test_factory_rejects_bad_configs(cfg: object, match: str) -> None:
 def test_factory_rejects_non_mapping() -> None:
     with pytest.raises(TypeError, match="DataPlaneConfig or a dict"):
         build_data_plane_client(["memory"])  # type: ignore[arg-type]
+
+
+def _corrupt_memory(client: DataPlaneClient, partition_id: str, key: str, field: str) -> None:
+    assert isinstance(client, MemoryDataPlaneClient)
+    corrupt_columnar_store(client.store, partition_id, key, field)
+
+
+def test_memory_corrupted_row_fails_at_get() -> None:
+    check_corrupted_row_fails_at_get(make_memory_client, _corrupt_memory)
+
+
+def test_memory_latency_percentiles() -> None:
+    check_latency_percentiles(make_memory_client)
+
+
+def test_checksums_off_leaves_a_corrupted_row_unchecked() -> None:
+    """`data_plane.verify_checksums=false`: no checksum is computed or compared (the switch is honoured)."""
+    client = build_client(DataPlaneConfig(enabled=True, verify_checksums=False), bootstrap=True)
+    client.register_partition("p", ["x"], 2, ["t"])
+    client.put_samples(["a", "b"], "p", {"x": torch.tensor([1.0, 2.0])})
+    corrupt_columnar_store(client.store, "p", "a", "x")
+    assert client.get_samples(["a"], "p", ["x"])["x"].values.item() != 1.0
+    client.close()

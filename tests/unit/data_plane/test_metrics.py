@@ -11,13 +11,15 @@ import torch
 from relayrl.data_plane import build_data_plane_client
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import MissingKeysError
+from relayrl.data_plane.latency import LatencySketch
 from relayrl.data_plane.memory import ColumnarStore, MemoryDataPlaneClient
-from relayrl.data_plane.metrics import MeteredDataPlaneClient
+from relayrl.data_plane.metrics import MeteredDataPlaneClient, merge_clients, strip_sketches
 
 
 def _client(is_driver: bool = True) -> tuple[MeteredDataPlaneClient, list[dict[str, Any]]]:
     events: list[dict[str, Any]] = []
-    c = MeteredDataPlaneClient(MemoryDataPlaneClient(ColumnarStore()), is_driver=is_driver, on_event=events.append)
+    inner = MemoryDataPlaneClient(ColumnarStore(), verify_checksums=True)
+    c = MeteredDataPlaneClient(inner, is_driver=is_driver, on_event=events.append)
     c.register_partition("train", ["x", "ids"], 4, ["t"])
     return c, events
 
@@ -100,3 +102,33 @@ def test_facade_connection_counts_as_driver_and_cleans_up_on_failure() -> None:
     with pytest.raises(RuntimeError, match="could not attach"):
         connect_driver_and_workers(broken, cfg, bootstrap=True)
     assert broken.calls == ["setup_data_plane", "shutdown"]
+
+
+def test_percentiles_merge_across_clients_and_nested_facades() -> None:
+    """A client reports p50/p90 and its histogram; `merge_clients` adds up histograms and seconds over clients, a
+    facade's already-merged `all/` part counts once through its own merge, and `strip_sketches` leaves no
+    histogram to log."""
+    driver, _ = _client()
+    worker, _ = _client(is_driver=False)
+    critic, _ = _client(is_driver=False)
+    for c in (driver, worker, critic):
+        c.put_samples(list("abcd"), "train", {"x": torch.zeros(4)})
+        c.get_samples(["a"], "train", ["x"])
+    d, w, v = driver.metrics(), worker.metrics(), critic.metrics()
+    assert d["data_plane/get/ms_p50"] <= d["data_plane/get/ms_p90"] and d["data_plane/checksum/cpu_ms"] > 0
+    facade = {**v, **merge_clients([v])}  # a critic facade that merged its own workers
+    merged = merge_clients([d, w, facade])
+    sketch = LatencySketch()
+    for part in (d, w, v):
+        sketch.merge(
+            LatencySketch.from_metrics((k, x) for k, x in part.items() if k.startswith("data_plane/get/ms_hist/"))
+        )
+    assert sketch.total == 3 and merged["data_plane/all/get/ms_p90"] == sketch.quantile(0.9)
+    assert merged["data_plane/all/put/ms_total"] == pytest.approx(sum(p["data_plane/put/ms_total"] for p in (d, w, v)))
+    want = sum(p[f"data_plane/{op}/ms_total"] for p in (d, w, v) for op in ("register", "put", "get"))
+    assert merged["data_plane/all/ms_total"] == pytest.approx(want)
+    assert merged["data_plane/all/checksum/cpu_ms"] == pytest.approx(
+        sum(p["data_plane/checksum/cpu_ms"] for p in (d, w, v))
+    )
+    out = strip_sketches({**d, **merged})
+    assert not [k for k in out if "ms_hist" in k] and "data_plane/all/get/ms_p50" in out

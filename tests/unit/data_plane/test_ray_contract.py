@@ -7,18 +7,21 @@ One store actor serves the whole module; each check's client attaches to it afte
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
 from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.interfaces import DataPlaneClient
 from tests.unit.data_plane.contract import CONTRACT_CHECKS, hosted_store_fixtures
+from tests.unit.data_plane.contract_integrity import check_corrupted_row_fails_at_get, check_latency_percentiles
 
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
 
-CFG = DataPlaneConfig(enabled=True, backend="ray", storage_capacity=10_000)
+CFG = DataPlaneConfig(enabled=True, backend="ray", storage_capacity=10_000, verify_checksums=True)
 
 
 owner, make_client = hosted_store_fixtures("relayrl.data_plane.ray_store", CFG)
@@ -38,3 +41,28 @@ def test_ray_contract_through_factory(check: Callable, make_client: Callable[...
         return build_data_plane_client(CFG, bootstrap=False)
 
     check(make)
+
+
+def _corrupt_in_actor(client: DataPlaneClient, partition_id: str, key: str, field: str) -> None:
+    """Flip one bit of the row inside the store actor's own `ColumnarStore` (no client call involved)."""
+    from relayrl.data_plane.ray_store import RayDataPlaneClient
+
+    assert isinstance(client, RayDataPlaneClient)
+
+    def in_actor(actor: Any, pid: str, k: str, f: str) -> None:  # defined here: shipped to the actor by value
+        corrupt = actor.ledger
+        row = corrupt._parts[pid].rows[k]
+        fs = corrupt._columns[pid][f]
+        seg, pos = fs.segments[int(fs.loc_seg[row])], int(fs.loc_pos[row])
+        start = pos if seg.offsets is None else int(seg.offsets[pos])
+        seg.values[start : start + 1].reshape(-1)[:1].view(torch.uint8)[0] ^= 1
+
+    ray.get(client._actor.__ray_call__.remote(in_actor, partition_id, key, field), timeout=60)
+
+
+def test_ray_corrupted_row_fails_at_get(make_client: Callable[..., DataPlaneClient]) -> None:
+    check_corrupted_row_fails_at_get(make_client, _corrupt_in_actor)
+
+
+def test_ray_latency_percentiles(make_client: Callable[..., DataPlaneClient]) -> None:
+    check_latency_percentiles(make_client)

@@ -15,13 +15,14 @@ from relayrl.config import DataPlaneConfig
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import DataPlaneClient, FieldNotWrittenError, MissingKeysError
 from tests.unit.data_plane.contract import CONTRACT_CHECKS, hosted_store_fixtures
+from tests.unit.data_plane.contract_integrity import check_corrupted_row_fails_at_get, check_latency_percentiles
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("transfer_queue")
 
 pytestmark = pytest.mark.ray
 
-CFG = DataPlaneConfig(enabled=True, backend="transfer_queue", storage_capacity=10_000)
+CFG = DataPlaneConfig(enabled=True, backend="transfer_queue", storage_capacity=10_000, verify_checksums=True)
 
 
 owner, make_client = hosted_store_fixtures("relayrl.data_plane.tq_adapter", CFG)
@@ -91,3 +92,26 @@ def test_second_bootstrap_fails_clearly(owner: DataPlaneClient) -> None:
 
     with pytest.raises(RuntimeError, match="already runs"):
         build_client(CFG, bootstrap=True)
+
+
+def _corrupt_in_tq(client: DataPlaneClient, partition_id: str, key: str, field: str) -> None:
+    """Write the row back to TransferQueue directly with one bit flipped: the ledger never hears of it."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    from relayrl.data_plane.tq_adapter import _to_wire
+    from tests.unit.data_plane.contract_integrity import flip_first_bit
+
+    col = client.get_samples([key], partition_id, [field])[field]
+    values = col.values.clone()
+    flip_first_bit(values)
+    wire = _to_wire(Column(values, col.lengths))
+    tq.kv_batch_put(keys=[key], partition_id=partition_id, fields=TensorDict({field: wire}, batch_size=[1]))
+
+
+def test_tq_corrupted_row_fails_at_get(make_client: Callable[..., DataPlaneClient]) -> None:
+    check_corrupted_row_fails_at_get(make_client, _corrupt_in_tq)
+
+
+def test_tq_latency_percentiles(make_client: Callable[..., DataPlaneClient]) -> None:
+    check_latency_percentiles(make_client)
