@@ -55,6 +55,11 @@ class GenerationConfig(Strict):
     top_k: PositiveInt | None = None
     """Sample among the k most probable tokens only; None: no top-k filter. When set, the policy's log-probs are
     computed under the same filter (the KL term uses unfiltered ones)."""
+    support_max_tokens: PositiveInt = 64
+    """With top_k or top_p set: most token ids recorded per generated token for the sampler's own kept set (4 bytes
+    each, every generated token), which the log-prob and training passes use as the filter instead of recomputing it
+    from their own logits. A token whose kept set is larger is not recorded: the trainer recomputes its filter and
+    counts it in train/sampling/support_unrecorded. Must be >= top_k."""
     stop_token_ids: list[int] | None = None
     """Token ids that end a row's generation (the stop token is kept); None means [eos_token_id]."""
     stop_strings: list[str] | None = None
@@ -71,6 +76,15 @@ class GenerationConfig(Strict):
     read, on CPU and GPU; the trainers calibrate them (`calibrate_qkv_fp8_scales`, include_q) before the first refit
     and after every training step, and the refit carries them to generation. Log-probs move by quantization error
     (tests/unit/models/test_fp8_kv.py measures it); the compiled CPU decode step is not used (PyTorch ops instead)."""
+
+    @model_validator(mode="after")
+    def _support_fits_top_k(self) -> GenerationConfig:
+        if self.top_k is not None and self.top_k > self.support_max_tokens:
+            raise ValueError(
+                f"policy.generation.top_k={self.top_k} > policy.generation.support_max_tokens="
+                f"{self.support_max_tokens}: every token's kept set could not be recorded; raise support_max_tokens"
+            )
+        return self
 
 
 class AdamWKwargs(Strict):
