@@ -263,7 +263,7 @@ class HfGeneration(GenerationInterface):
             greedy=greedy,
             generator=None if greedy else self._generator,
             native=self.config.native_cpu_decode and device.type == "cpu",
-            record_support=self.config.support_max_tokens,
+            record_support=self.config.support_width,
         )
         if self.compute_weights is not None and self.uses_fast_path:
             self.compute_weights.refresh(model, (id(model), self._synced_version, self._loads))
