@@ -66,10 +66,10 @@ def support_record(filtered: torch.Tensor, width: int) -> torch.Tensor:
     record = torch.where(torch.isfinite(values), ids + 1, 0).to(torch.int32)  # [B, k]
     record = torch.where(record > 0, record, torch.iinfo(torch.int32).max).sort(dim=-1).values
     record = record.masked_fill(record == torch.iinfo(torch.int32).max, 0)  # [B, k]
-    overflow = kept.sum(dim=-1) > k  # [B]
-    if bool(overflow.any()):
-        record[overflow] = 0
-        record[overflow, 0] = SUPPORT_OVERFLOW
+    overflow = kept.sum(dim=-1, keepdim=True) > k  # [B, 1]
+    marker = torch.zeros_like(record[:1])  # [1, k]: what an overflowing row holds (no host sync to find them)
+    marker[0, 0] = SUPPORT_OVERFLOW
+    record = torch.where(overflow, marker, record)  # [B, k]
     if k < width:
         record = torch.nn.functional.pad(record, (0, width - k))
     return record  # [B, width]
@@ -80,10 +80,14 @@ def support_mask(record: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.
     nothing was recorded (all-zero rows and overflow rows)."""
     record = record.long()
     recorded = record[..., 0] > 0  # [...]
-    slots = torch.where(record > 0, record - 1, vocab)  # [..., K]: empty slots point at a spare column
-    kept = torch.zeros((*record.shape[:-1], vocab + 1), dtype=torch.bool, device=record.device)
-    kept.scatter_(-1, slots, True)
-    return kept[..., :vocab], recorded
+    slots = torch.where(record > 0, record - 1, vocab).reshape(-1, record.shape[-1])  # [N, K]; empty: spare column
+    rows = torch.arange(slots.shape[0], device=record.device).unsqueeze(1).expand_as(slots)  # [N, K]
+    kept = torch.zeros((slots.shape[0], vocab + 1), dtype=torch.bool, device=record.device)  # [N, V + 1]
+    # index_put_ (not scatter_): it has a deterministic CUDA kernel under torch.use_deterministic_algorithms
+    kept.index_put_(
+        (rows.reshape(-1), slots.reshape(-1)), torch.ones(slots.numel(), dtype=torch.bool, device=record.device)
+    )
+    return kept[:, :vocab].reshape(*record.shape[:-1], vocab), recorded
 
 
 def support_output(lengths: torch.Tensor, width: int, support: torch.Tensor, gen_len: torch.Tensor) -> torch.Tensor:

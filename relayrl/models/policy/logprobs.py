@@ -99,15 +99,15 @@ def _target_logprobs(
     top_p: float,
     want_unfiltered: bool,
     support: torch.Tensor | None = None,  # [..., K] the sampler's recorded kept sets (`sampling.support_record`)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(filtered log-prob, unfiltered log-prob, support mismatch) of each target, [...] each (the unfiltered one is the
     filtered tensor unless `want_unfiltered`; the mismatch, bool, flags recorded positions where the filter
-    recomputed from these logits keeps another set than the recorded one: all False without `support`)."""
+    recomputed from these logits keeps another set than the recorded one: None without `support`)."""
     logits = lm_head(h).float() / temperature  # [..., V]
     plain = None
     if want_unfiltered:
         plain = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [...]
-    mismatch = torch.zeros(tgt.shape, dtype=torch.bool, device=logits.device)  # [...]
+    mismatch = None
     if support is not None and filtering_active(top_k, top_p):
         own_drop = top_k_top_p_mask(logits, top_k, top_p)  # [..., V]
         kept, recorded = support_mask(support.to(logits.device), logits.shape[-1])  # [..., V], [...]
@@ -203,7 +203,7 @@ def selected_logprobs(
             lp, plain, mismatch = checkpoint(_target_logprobs, *args, use_reentrant=False)
         else:
             lp, plain, mismatch = _target_logprobs(*args)
-        if mismatch_out is not None:
+        if mismatch_out is not None and mismatch is not None:
             mismatch_out.append(mismatch)
         outs.append(lp)
         plains.append(plain)
