@@ -60,13 +60,14 @@ def support_record(filtered: torch.Tensor, width: int) -> torch.Tensor:
     Ids are stored shifted by one so that an all-zero row (any padding) means "nothing recorded". A row whose kept
     set has more than `width` tokens is recorded as [SUPPORT_OVERFLOW, 0, ...]: the trainer then recomputes the
     filter for that token and counts it. `filtered`: [B, V] logits with the dropped entries at -inf."""
-    kept = torch.isfinite(filtered)  # [B, V]
     k = min(width, filtered.shape[-1])
-    values, ids = filtered.topk(k, dim=-1)  # [B, k]: every kept id is here when at most k are kept
-    record = torch.where(torch.isfinite(values), ids + 1, 0).to(torch.int32)  # [B, k]
+    # One more than the record holds: a finite (k+1)-th value means the kept set does not fit (cheaper than counting
+    # the finite entries of the whole row). Every kept id is among the first k when at most k are kept.
+    values, ids = filtered.topk(min(k + 1, filtered.shape[-1]), dim=-1)  # [B, k(+1)]
+    overflow = torch.isfinite(values[:, k:]).any(dim=-1, keepdim=True)  # [B, 1] (False when k = V)
+    record = torch.where(torch.isfinite(values[:, :k]), ids[:, :k] + 1, 0).to(torch.int32)  # [B, k]
     record = torch.where(record > 0, record, torch.iinfo(torch.int32).max).sort(dim=-1).values
     record = record.masked_fill(record == torch.iinfo(torch.int32).max, 0)  # [B, k]
-    overflow = kept.sum(dim=-1, keepdim=True) > k  # [B, 1]
     marker = torch.zeros_like(record[:1])  # [1, k]: what an overflowing row holds (no host sync to find them)
     marker[0, 0] = SUPPORT_OVERFLOW
     record = torch.where(overflow, marker, record)  # [B, k]
