@@ -30,7 +30,7 @@ import torch
 from relayrl.algorithms.protocols import BatchLoader, RolloutActor
 from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS, TRAIN_CONSUMER_TASKS
+from relayrl.data_plane.schema import ASYNC_PARTITION_FIELDS, TRAIN_CONSUMER_TASKS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import pop_rollout_timings
 from relayrl.models.generation.digests import verify_snapshot_load
@@ -357,7 +357,7 @@ class RolloutProducer:
         start, cpu_start = time.perf_counter(), time.thread_time() + self._engine_cpu()
         partition = partition_for(index)
         self.client.register_partition(
-            partition, list(DP_TRAIN_FIELDS), self.rows, [*TRAIN_CONSUMER_TASKS, CLAIM_TASK], self.group_size
+            partition, list(ASYNC_PARTITION_FIELDS), self.rows, [*TRAIN_CONSUMER_TASKS, CLAIM_TASK], self.group_size
         )
         self.actor.data_plane_metrics(reset=True)
         repeated = batch.repeat_interleave(self.group_size)

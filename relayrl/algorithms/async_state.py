@@ -24,7 +24,7 @@ from relayrl.algorithms.async_rollouts import CLAIM_TASK, ProducedBatch, Produce
 from relayrl.config import MasterConfig
 from relayrl.data_plane.column_io import first_write, read_columns
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
-from relayrl.data_plane.schema import DP_TRAIN_FIELDS, TRAIN_CONSUMER_TASKS
+from relayrl.data_plane.schema import ASYNC_PARTITION_FIELDS, TRAIN_CONSUMER_TASKS
 from relayrl.utils.checkpoint import GRPOSaveState
 from relayrl.utils.state_file import CheckpointError, load_state_file, save_state_file
 
@@ -162,7 +162,7 @@ def restore_batches(restored: Restored, client: DataPlaneClient, group_size: int
         rows, meta = b.rows, b.meta
         assert rows is not None, "restore_batches takes batches loaded by load_producer_state"
         client.register_partition(
-            meta.partition_id, list(DP_TRAIN_FIELDS), meta.size, [*TRAIN_CONSUMER_TASKS, CLAIM_TASK], group_size
+            meta.partition_id, list(ASYNC_PARTITION_FIELDS), meta.size, [*TRAIN_CONSUMER_TASKS, CLAIM_TASK], group_size
         )
         first_write(
             {k: rows[k] for k in meta.fields or []},

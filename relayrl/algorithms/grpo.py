@@ -46,7 +46,9 @@ from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
     build_message_advantage_overrides,
+    support_keys,
     trim_to_last_loss_token,
+    with_support,
 )
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
@@ -255,6 +257,7 @@ class GRPOSteps:
             token_mask=flat["token_loss_mask"],  # [B, S]
             sample_mask=loss_multiplier,  # [B]
         )
+        with_support(train_data, flat)
         return train_data, flat
 
     def _logprobs(self, train_data: BatchedDataDict) -> None:
@@ -263,7 +266,9 @@ class GRPOSteps:
         with self.timer.time("prev_logprobs"):
             if not (self.skip_prev and self.skip_ref):
                 self.policy.prepare_for_lp_inference()
-            lp_data = train_data.select_keys(["input_ids", "input_lengths", "token_mask", "sample_mask"])
+            lp_data = train_data.select_keys(
+                ["input_ids", "input_lengths", "token_mask", "sample_mask", *support_keys(train_data)]
+            )
             zeros = torch.zeros_like(train_data["generation_logprobs"])
             prev_lp = zeros if self.skip_prev else self.policy.get_logprobs(lp_data)["logprobs"]
         with self.timer.time("reference"):

@@ -44,7 +44,9 @@ from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.rollouts import (
     add_token_loss_masks,
     batched_message_log_to_flat_message,
+    support_keys,
     trim_to_last_loss_token,
+    with_support,
 )
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.logger import Logger
@@ -212,7 +214,9 @@ class PPOSteps:
         reference reads as zeros."""
         with self.timer.time("prev_logprobs"):
             self.policy.prepare_for_lp_inference()
-            lp_data = train_data.select_keys(["input_ids", "input_lengths", "token_mask", "sample_mask"])
+            lp_data = train_data.select_keys(
+                ["input_ids", "input_lengths", "token_mask", "sample_mask", *support_keys(train_data)]
+            )
             prev_lp = self.policy.get_logprobs(lp_data)["logprobs"]  # [B, S]
         with self.timer.time("reference"):
             ref_lp = torch.zeros_like(prev_lp)  # [B, S]
@@ -250,4 +254,5 @@ def build_ppo_train_data(
         token_mask=flat["token_loss_mask"],  # [B, S]
         sample_mask=sample_mask,  # [B]
     )
+    with_support(train_data, flat)
     return train_data, {"num_overlong_filtered": float(num_filtered)}

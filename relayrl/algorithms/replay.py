@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -235,6 +236,13 @@ def replay_run(
         raise ValueError(f"--from-step must be >= 1 and --to-step >= --from-step (got {from_step}..{last})")
     cfg = replay_config(run_dir, overrides, out)
     run_cfg = load_config(run_dir / "config.yaml")
+    gen = cfg.policy.generation
+    if gen.top_k is not None or gen.top_p < 1.0:  # the recording has no `generation_support` column
+        warnings.warn(
+            "[WARN] replay: the flight recorder does not keep the sampler's top-k/top-p kept sets, so the replayed "
+            "log-prob passes recompute the filter from their own logits (train/sampling/* is not logged)",
+            stacklevel=2,
+        )
     rollouts = run_dir / ROLLOUTS_DIR
     have = set(recorded_steps(rollouts))
     steps = list(range(from_step, last + 1))

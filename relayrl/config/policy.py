@@ -55,6 +55,12 @@ class GenerationConfig(Strict):
     top_k: PositiveInt | None = None
     """Sample among the k most probable tokens only; None: no top-k filter. When set, the policy's log-probs are
     computed under the same filter (the KL term uses unfiltered ones)."""
+    support_max_tokens: PositiveInt | None = None
+    """With top_k or top_p set: most token ids recorded per token for the sampler's own kept set (4 bytes each, every
+    stored token), which the log-prob and training passes use as the filter instead of recomputing it from their own
+    logits. None: 2 x top_k when top_k is set (room for ties at its boundary), else 64 (top_p alone). A token whose
+    kept set is larger is not recorded: the trainer recomputes its filter and counts it in
+    train/sampling/support_unrecorded. Must be >= top_k."""
     stop_token_ids: list[int] | None = None
     """Token ids that end a row's generation (the stop token is kept); None means [eos_token_id]."""
     stop_strings: list[str] | None = None
@@ -91,6 +97,22 @@ class GenerationConfig(Strict):
     def _off_is_not_false(cls, value: Any) -> Any:
         """YAML reads an unquoted `off` as false: take it as the mode it spells."""
         return "off" if value is False else value
+
+    @property
+    def support_width(self) -> int:
+        """Ids recorded per token for the sampler's kept set (`support_max_tokens`, or its default)."""
+        if self.support_max_tokens is not None:
+            return self.support_max_tokens
+        return 2 * self.top_k if self.top_k is not None else 64  # top-p after top-k only shrinks the set
+
+    @model_validator(mode="after")
+    def _support_fits_top_k(self) -> GenerationConfig:
+        if self.top_k is not None and self.support_max_tokens is not None and self.top_k > self.support_max_tokens:
+            raise ValueError(
+                f"policy.generation.top_k={self.top_k} > policy.generation.support_max_tokens="
+                f"{self.support_max_tokens}: every token's kept set could not be recorded; raise support_max_tokens"
+            )
+        return self
 
 
 class AdamWKwargs(Strict):

@@ -17,6 +17,9 @@ ADVANTAGES = "advantages"
 TOTAL_REWARD = "total_reward"
 REWARDS = "rewards"
 """PPO's per-row scalar reward after shaping (GAE reads it; the policy loss reads it for the positive-example NLL)."""
+GENERATION_SUPPORT = "generation_support"
+"""The sampler's top-k/top-p kept set of each generated token, [N, S, K] int32 (`sampling.support_record`); written
+only when generation filters (a run without top-k/top-p has no such field)."""
 ROUTED_EXPERTS = "routed_experts"
 ADVANTAGE_OVERRIDE = "advantage_override"
 """Message-level advantage penalties per token (NaN: keep the estimator's), written by the rollout only when
@@ -34,9 +37,12 @@ DP_TRAIN_FIELDS: tuple[str, ...] = (
 )
 """What a training worker fetches for one step (order matters for reproducible logs)."""
 
-PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, ADVANTAGE_OVERRIDE)
-"""Every field a step's (or validation batch's) partition may hold: the train fields, and the per-token penalties a
-rollout writes when message-level advantage penalties are set."""
+PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, ADVANTAGE_OVERRIDE, GENERATION_SUPPORT)
+"""Every field a step's (or validation batch's) partition may hold: the train fields, the per-token penalties a
+rollout writes when message-level advantage penalties are set, and the sampler's kept sets when sampling filters."""
+
+ASYNC_PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, GENERATION_SUPPORT)
+"""What an asynchronous producer's partitions declare: the train fields and the sampler's kept sets."""
 
 LP_SEED_FIELDS: tuple[str, ...] = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK)
 """What a log-prob worker (policy or reference) fetches."""
@@ -45,6 +51,7 @@ TOKEN_ALIGNED_FIELDS: frozenset[str] = frozenset(
     {
         INPUT_IDS,
         GENERATION_LOGPROBS,
+        GENERATION_SUPPORT,
         PREV_LOGPROBS,
         REFERENCE_POLICY_LOGPROBS,
         ADVANTAGES,

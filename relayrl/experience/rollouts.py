@@ -43,8 +43,12 @@ FLAT_KEYS: dict[str, float] = {
     "token_ids": 0,
     "token_loss_mask": 0,
     "generation_logprobs": 0.0,
+    "generation_support": 0,
     "advantage_override": math.nan,
 }
+#: Per-token keys with a trailing dimension ([n, K] per message): the sampler's recorded kept sets (int32; 0 =
+#: nothing recorded, e.g. a message that was not sampled), present only when sampling filters.
+TRAILING_KEYS: frozenset[str] = frozenset({"generation_support"})
 
 
 class Generator(Protocol):
@@ -121,6 +125,7 @@ def run_multi_turn_rollout(
         out_lens, out_truncated = out["generation_lengths"].tolist(), out["truncated"].tolist()
         out_ids = out["output_ids"].to(torch.long).unbind(0)  # per-row views, [S + N] each
         out_logprobs = out["logprobs"].to(torch.float32).unbind(0)
+        out_support = out["support"].unbind(0) if "support" in out else None  # [S + N, K] per row
         for j, i in enumerate(active):
             start, g = int(starts[j]), int(out_lens[j])
             if out_truncated[j]:
@@ -132,14 +137,15 @@ def run_multi_turn_rollout(
                 g = max(0, max_seq_len - start)
                 truncated_rows[i] = done[j] = True
             ids = out_ids[j][start : start + g]  # [g]
-            batch["message_log"][i].append(
-                {
-                    "role": "assistant",
-                    "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
-                    "token_ids": ids,
-                    "generation_logprobs": out_logprobs[j][start : start + g],  # [g]
-                }
-            )
+            message = {
+                "role": "assistant",
+                "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+                "token_ids": ids,
+                "generation_logprobs": out_logprobs[j][start : start + g],  # [g]
+            }
+            if out_support is not None:
+                message["generation_support"] = out_support[j][start : start + g]  # [g, K]
+            batch["message_log"][i].append(message)
             gen_lens.append(g)
             gen_tokens[i] += g
 
@@ -289,6 +295,11 @@ def batched_message_log_to_flat_message(
         keys.insert(0, "token_ids")
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     dtypes: dict[str, torch.dtype] = {}
+    trailing: dict[str, tuple[int, ...]] = {}  # a TRAILING_KEYS key's per-token shape, from its first message
+    for k in keys:
+        if k in TRAILING_KEYS:
+            first = next(torch.as_tensor(m[k]) for msgs in message_logs for m in msgs if k in m)
+            trailing[k] = tuple(first.shape[1:])
     row_lengths: list[int] = []
     for r, msgs in enumerate(message_logs):
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
@@ -301,12 +312,12 @@ def batched_message_log_to_flat_message(
             for k in keys:
                 if k in msg:
                     t = torch.as_tensor(msg[k])
-                    if t.shape != (n_tok,):
+                    if t.shape != (n_tok, *trailing.get(k, ())):
                         raise ValueError(f"row {r} message {m_i}: {k} has shape {tuple(t.shape)}, token_ids ({n_tok},)")
                     dtypes.setdefault(k, t.dtype)
                     parts[k].append(t)
                 else:
-                    parts[k].append(torch.full((n_tok,), FLAT_KEYS[k]))  # dtype fixed on concatenation below
+                    parts[k].append(torch.full((n_tok, *trailing.get(k, ())), FLAT_KEYS[k]))  # dtype fixed below
         for k in keys:
             rows[k].append(parts[k])
         row_lengths.append(row_length)
@@ -320,10 +331,11 @@ def batched_message_log_to_flat_message(
     for k in keys:
         dtype = torch.long if k == "token_ids" else dtypes.get(k, torch.float32)
         pad = pad_value_dict.get(k, FLAT_KEYS[k])
-        out = torch.full((len(message_logs), width), pad, dtype=dtype)  # [B, S]
+        extra = trailing.get(k, ())
+        out = torch.full((len(message_logs), width, *extra), pad, dtype=dtype)  # [B, S] (or [B, S, K])
         values = [p if p.dtype == dtype else p.to(dtype) for parts in rows[k] for p in parts]
         if values:
-            out.masked_scatter_(filled, torch.cat(values))
+            out.masked_scatter_(filled.view(*filled.shape, *(1 for _ in extra)).expand_as(out), torch.cat(values))
         flat[k] = out
     return flat, lengths
 
@@ -416,6 +428,21 @@ def trim_to_last_loss_token(
         if isinstance(v, torch.Tensor) and v.dim() == 2:
             pad = pad_value_dict.get(k, FLAT_KEYS.get(k, 0))
             out[k] = torch.where(keep, v[:, :width], torch.full_like(v[:, :width], pad))  # [B, W]
+        elif k in TRAILING_KEYS and isinstance(v, torch.Tensor):  # [B, S, K]: zeros (nothing recorded) after
+            out[k] = torch.where(keep.unsqueeze(-1), v[:, :width], 0)  # [B, W, K]
         else:
             out[k] = v
     return out, new_lengths
+
+
+def with_support(train_data: BatchedDataDict, flat: BatchedDataDict) -> BatchedDataDict:
+    """Carry the flattened `generation_support` [B, S, K] (the sampler's kept sets) into `train_data` when the
+    rollout recorded one; edits in place."""
+    if "generation_support" in flat:
+        train_data["generation_support"] = flat["generation_support"]
+    return train_data
+
+
+def support_keys(data: BatchedDataDict) -> list[str]:
+    """["generation_support"] when `data` carries the sampler's kept sets, else []: what a log-prob pass adds."""
+    return ["generation_support"] if "generation_support" in data else []

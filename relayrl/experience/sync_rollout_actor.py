@@ -33,6 +33,7 @@ from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import (
     ADVANTAGE_OVERRIDE,
     GENERATION_LOGPROBS,
+    GENERATION_SUPPORT,
     INPUT_IDS,
     INPUT_LENGTHS,
     ROLLOUT_METRICS,
@@ -111,6 +112,8 @@ def flatten_for_store(
     }
     if flag_to_advantage:
         out[ADVANTAGE_OVERRIDE] = flat["advantage_override"]  # [B, S], NaN where not overridden
+    if "generation_support" in flat:  # the sampler's kept sets (sampling filters): the log-prob passes apply them
+        out[GENERATION_SUPPORT] = flat["generation_support"]  # [B, S, K]
     return out
 
 

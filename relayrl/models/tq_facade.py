@@ -88,6 +88,8 @@ class TQFacade(Generic[M, TW]):
     train_meta_timers: ClassVar[tuple[str | None, str]]
     #: Per-token fields a driver write stores unpadded (by `meta.sequence_lengths`).
     token_fields: ClassVar[frozenset[str]] = TOKEN_ALIGNED_FIELDS
+    #: Fields a training dispatch adds whenever the rollout wrote them (the sampler's kept sets, for the policy).
+    optional_train_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: M, dp_cfg: DataPlaneConfig, tq_partition_id: str) -> None:
         """`model` is built with `TW` workers; `dp_cfg` and `tq_partition_id` are checked (`validate_facade_args`)."""
@@ -279,6 +281,7 @@ class TQFacade(Generic[M, TW]):
         mbs = mbs or self.cfg.train_micro_batch_size
         check_train_sizes(meta.size, gbs, mbs, self.dp_size, "train_from_meta")
         fields = dict.fromkeys(self.train_fields if train_fields is None else train_fields)
+        fields.update(dict.fromkeys(f for f in self.optional_train_fields if f in (meta.fields or ())))
         shard_label, call_label = self.train_meta_timers
         shards = self._meta_shards(
             meta, fields, self.train_task, batch_size=gbs, stage="train_mb_tokens", timer=timer, label=shard_label

@@ -49,3 +49,12 @@ def test_overrides_and_inheritance(tmp_path):
     )
     assert cfg.grpo.num_prompts_per_step == 32 and cfg.grpo.max_num_steps == 9
     assert cfg.loss_fn.reference_policy_kl_penalty == 0.0 and not cfg.reference_model_needed
+
+
+def test_sampler_support_width_and_a_top_k_it_cannot_hold():
+    from relayrl.config import GenerationConfig
+
+    widths = [GenerationConfig(**kw).support_width for kw in ({"top_k": 3}, {"top_p": 0.9}, {"support_max_tokens": 5})]
+    assert widths == [6, 64, 5]  # 2 x top_k (ties at its boundary), 64 for top_p alone, or as set
+    with pytest.raises(ValueError, match="top_k=10 > policy.generation.support_max_tokens=8"):
+        GenerationConfig(top_k=10, support_max_tokens=8)

@@ -341,13 +341,17 @@ def _merge(parts: list[BatchedDataDict], total_width: int, pad_id: int) -> Batch
         missing = total_width - p["output_ids"].shape[1]
         ids.append(torch.nn.functional.pad(p["output_ids"], (0, missing), value=pad_id))  # [b, W]
         logprobs.append(torch.nn.functional.pad(p["logprobs"], (0, missing), value=0.0))  # [b, W]
-    return BatchedDataDict(
+    merged: BatchedDataDict[GenerationOutputSpec] = BatchedDataDict(
         output_ids=torch.cat(ids),
         logprobs=torch.cat(logprobs),
         generation_lengths=torch.cat([p["generation_lengths"] for p in parts]),
         unpadded_sequence_lengths=torch.cat([p["unpadded_sequence_lengths"] for p in parts]),
         truncated=torch.cat([p["truncated"] for p in parts]),
     )
+    if parts and "support" in parts[0]:  # the sampler's kept sets [b, W, K]: zeros (nothing recorded) as padding
+        pad = [(0, 0, 0, total_width - p["support"].shape[1]) for p in parts]
+        merged["support"] = torch.cat([torch.nn.functional.pad(p["support"], w) for p, w in zip(parts, pad)])
+    return merged
 
 
 def _rank0_endpoint(policy: Any) -> tuple[str, int]:

@@ -35,7 +35,7 @@ from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.digests import module_digests, verify_engine
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
 from relayrl.models.generation.outputs import assemble_output, empty_generation, generation_limits
-from relayrl.models.generation.sampling import StopStringMatcher, TokenSampler, stop_test
+from relayrl.models.generation.sampling import StopStringMatcher, TokenSampler, stop_test, support_output
 from relayrl.utils import device as dev
 
 #: Drop finished rows from the live batch (KV cache included) once at most this fraction of it is still running.
@@ -281,6 +281,7 @@ class HfGeneration(GenerationInterface):
             greedy=greedy,
             generator=None if greedy else self._generator,
             native=self.config.native_cpu_decode and device.type == "cpu",
+            record_support=self.config.support_width,
         )
         if self.compute_weights is not None and self.uses_fast_path:
             self.compute_weights.refresh(model, self._weights_key(model))
@@ -299,8 +300,11 @@ class HfGeneration(GenerationInterface):
                 )
         finally:
             model.train(was_training)
-        tokens, logprobs, gen_len, stopped = (t.cpu() for t in result)
-        return assemble_output(input_ids, lengths, tokens, logprobs, gen_len, stopped, self.pad_token_id)
+        tokens, logprobs, gen_len, stopped = (t.cpu() for t in result[:4])
+        out = assemble_output(input_ids, lengths, tokens, logprobs, gen_len, stopped, self.pad_token_id)
+        if result[4] is not None:  # the sampler's kept sets (top-k / top-p): in the output's columns
+            out["support"] = support_output(lengths, width, result[4].cpu(), gen_len)
+        return out
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
         """The HF fallback's forward in the compute precision (the fast path uses `compute_weights` instead)."""
@@ -349,8 +353,9 @@ class HfGeneration(GenerationInterface):
         sampler: TokenSampler,
         row_stops: list[list[str]],
         uniforms: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decode loop. Returns (tokens [B, N], logprobs [B, N], generation lengths [B], stopped [B]).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decode loop. Returns (tokens [B, N], logprobs [B, N], generation lengths [B], stopped [B], the
+        sampler's kept sets [B, N, K] when it records them, else None).
 
         `uniforms` [B, N]: step s of original row r samples with U[r, s] (None when greedy)."""
         batch = input_ids.shape[0]
@@ -378,6 +383,8 @@ class HfGeneration(GenerationInterface):
 
         tokens = torch.full((n_max, batch), self.pad_token_id, dtype=torch.long, device=device)  # [N, B]
         logprobs = torch.zeros((n_max, batch), dtype=torch.float32, device=device)  # [N, B]
+        k = sampler.record_support  # [N, B, K] kept sets when the sampler records them
+        support = torch.zeros((n_max, batch, k), dtype=torch.int32, device=device) if k else None
         gen_len = torch.zeros(batch, dtype=torch.long, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         is_stop = stop_test(self.stop_token_ids, device)
@@ -400,6 +407,8 @@ class HfGeneration(GenerationInterface):
             else:
                 tokens.select(0, step).index_copy_(0, rows, tok)
                 logprobs.select(0, step).index_copy_(0, rows, lp)
+            if support is not None and sampler.last_support is not None:
+                support.select(0, step).index_copy_(0, rows, sampler.last_support)
             hit = is_stop(tok)  # [b]
             if matcher is not None:
                 hit |= matcher.check(rows, tok, alive)
@@ -423,7 +432,7 @@ class HfGeneration(GenerationInterface):
                     all_rows = False
             logits = decoder.step(tok, pos, prompt_cols + step)  # [b, V]
             pos += 1
-        return tokens.T, logprobs.T, gen_len, stopped
+        return tokens.T, logprobs.T, gen_len, stopped, None if support is None else support.transpose(0, 1)
 
 
 def _left_pad(

@@ -27,6 +27,8 @@ class GenerationOutputSpec(TypedDict):
     generation_lengths: torch.Tensor  # [B] int64, generated tokens (stop token included when produced)
     unpadded_sequence_lengths: torch.Tensor  # [B] int64, input_lengths + generation_lengths
     truncated: torch.Tensor  # [B] bool, stopped by max_new_tokens (or the context limit), not by a stop condition
+    support: NotRequired[torch.Tensor]  # [B, S_in + max_new_tokens, K] int32, the sampler's top-k/top-p kept set
+    # of each generated token (`sampling.support_record`), zeros elsewhere; only when sampling filters
 
 
 class GenerationInterface(ABC):

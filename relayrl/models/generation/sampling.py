@@ -45,6 +45,62 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> 
     return torch.empty_like(sorted_logits).scatter_(-1, order, sorted_logits)
 
 
+def filter_active(top_k: int | None, top_p: float) -> bool:
+    """Whether top-k / top-p can drop any token (top_k None or <= 0 and top_p == 1 drop none)."""
+    return (top_k is not None and top_k > 0) or top_p < 1.0
+
+
+#: `support_record` entry of a token whose kept set was larger than the record's width (nothing else recorded).
+SUPPORT_OVERFLOW = -1
+
+
+def support_record(filtered: torch.Tensor, width: int) -> torch.Tensor:
+    """The sampler's kept set per row as int32 [B, width]: kept token id + 1, ascending, then 0 (empty slots).
+
+    Ids are stored shifted by one so that an all-zero row (any padding) means "nothing recorded". A row whose kept
+    set has more than `width` tokens is recorded as [SUPPORT_OVERFLOW, 0, ...]: the trainer then recomputes the
+    filter for that token and counts it. `filtered`: [B, V] logits with the dropped entries at -inf."""
+    k = min(width, filtered.shape[-1])
+    # One more than the record holds: a finite (k+1)-th value means the kept set does not fit (cheaper than counting
+    # the finite entries of the whole row). Every kept id is among the first k when at most k are kept.
+    values, ids = filtered.topk(min(k + 1, filtered.shape[-1]), dim=-1)  # [B, k(+1)]
+    overflow = torch.isfinite(values[:, k:]).any(dim=-1, keepdim=True)  # [B, 1] (False when k = V)
+    record = torch.where(torch.isfinite(values[:, :k]), ids[:, :k] + 1, 0).to(torch.int32)  # [B, k]
+    record = torch.where(record > 0, record, torch.iinfo(torch.int32).max).sort(dim=-1).values
+    record = record.masked_fill(record == torch.iinfo(torch.int32).max, 0)  # [B, k]
+    marker = torch.zeros_like(record[:1])  # [1, k]: what an overflowing row holds (no host sync to find them)
+    marker[0, 0] = SUPPORT_OVERFLOW
+    record = torch.where(overflow, marker, record)  # [B, k]
+    if k < width:
+        record = torch.nn.functional.pad(record, (0, width - k))
+    return record  # [B, width]
+
+
+def support_mask(record: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [..., V] bool, recorded [...] bool) from `support_record` rows [..., K]; `kept` is all False where
+    nothing was recorded (all-zero rows and overflow rows)."""
+    record = record.long()
+    recorded = record[..., 0] > 0  # [...]
+    slots = torch.where(record > 0, record - 1, vocab).reshape(-1, record.shape[-1])  # [N, K]; empty: spare column
+    rows = torch.arange(slots.shape[0], device=record.device).unsqueeze(1).expand_as(slots)  # [N, K]
+    kept = torch.zeros((slots.shape[0], vocab + 1), dtype=torch.bool, device=record.device)  # [N, V + 1]
+    # index_put_ (not scatter_): it has a deterministic CUDA kernel under torch.use_deterministic_algorithms
+    kept.index_put_(
+        (rows.reshape(-1), slots.reshape(-1)), torch.ones(slots.numel(), dtype=torch.bool, device=record.device)
+    )
+    return kept[:, :vocab].reshape(*record.shape[:-1], vocab), recorded
+
+
+def support_output(lengths: torch.Tensor, width: int, support: torch.Tensor, gen_len: torch.Tensor) -> torch.Tensor:
+    """The recorded kept sets [B, N, K] in the engine's output layout [B, S_in + N, K] (the columns of its
+    generated tokens; zeros, "nothing recorded", elsewhere)."""
+    batch, max_new, k = support.shape
+    generated = torch.arange(max_new).unsqueeze(0) < gen_len.unsqueeze(1)  # [B, N]
+    cols = (lengths.unsqueeze(1) + torch.arange(max_new).unsqueeze(0)).unsqueeze(-1).expand(-1, -1, k)  # [B, N, K]
+    out = torch.zeros((batch, width + max_new, k), dtype=torch.int32)
+    return out.scatter_(1, cols, support.masked_fill(~generated.unsqueeze(-1), 0))
+
+
 class TokenSampler:
     """Turns next-token logits [B, V] into (tokens [B], log-probs [B]) under fixed sampling settings."""
 
@@ -57,6 +113,7 @@ class TokenSampler:
         greedy: bool = False,
         generator: torch.Generator | None = None,
         native: bool = False,
+        record_support: int = 0,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -73,6 +130,9 @@ class TokenSampler:
         self.generator = generator
         # relayrl's compiled CPU sampler (fast.kernels): the same draw in one call instead of ~10 ops per step.
         self.native = native and not greedy and top_k is None and top_p >= 1.0 and load_cpu_kernels()
+        # Width of the kept-set record (`support_record`); 0: nothing recorded (greedy, or no filter to record).
+        self.record_support = record_support if not greedy and filter_active(top_k, top_p) else 0
+        self.last_support: torch.Tensor | None = None  # [B, K] int32, the last call's record when recording
 
     def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; return (tokens int64 [B], log-prob of each token float32 [B]).
@@ -86,7 +146,10 @@ class TokenSampler:
             tokens = scaled.argmax(dim=-1, keepdim=True)  # [B, 1]
             logprobs = scaled.log_softmax(dim=-1)  # [B, V]
             return tokens.squeeze(1), logprobs.gather(1, tokens).squeeze(1)
-        probs = apply_top_k_top_p(scaled, self.top_k, self.top_p).softmax(dim=-1)  # [B, V]
+        filtered = apply_top_k_top_p(scaled, self.top_k, self.top_p)  # [B, V]
+        if self.record_support:
+            self.last_support = support_record(filtered, self.record_support)  # [B, K]
+        probs = filtered.softmax(dim=-1)  # [B, V]
         if self.native and uniforms is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
             return torch.ops.relayrl_cpu.sample_inverse_cdf(probs, uniforms.to(torch.float32).reshape(-1))
         tokens = sample_inverse_cdf(probs, self.generator, uniforms)  # [B, 1]

@@ -9,6 +9,11 @@ Filtering follows the generation engine's sampler so training-side log-probs des
 produced the samples: top-k keeps every logit >= the k-th largest (ties kept); top-p then keeps the smallest set of
 the highest-probability tokens whose mass reaches top_p (renormalised over the top-k survivors), always keeping
 the most likely token.
+
+Where generation recorded the sampler's own kept set per token (`generation_support`, see
+`sampling.support_record`), that set is the filter instead: the trainer's logits can differ from the sampler's
+(bf16 generation, a stale producer), and a filter recomputed from them would not be the support the token was drawn
+from. Positions without a record (none made, or an overflowing one) recompute it as above.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from relayrl.models.generation.sampling import cumulative_probs
+from relayrl.models.generation.sampling import SUPPORT_OVERFLOW, cumulative_probs, support_mask
 
 #: Float32 bytes one [rows, chunk, V] slab may use when no chunk size is configured.
 DEFAULT_CHUNK_BUDGET_BYTES = 64 * 2**20
@@ -65,6 +70,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> 
     return logits.masked_fill(top_k_top_p_mask(logits, top_k, top_p), float("-inf"))
 
 
+def support_metrics(
+    mismatch: list[torch.Tensor], support: torch.Tensor, keep: torch.Tensor, global_toks: torch.Tensor
+) -> dict[str, float]:
+    """A micro-batch's `sampling/*` counts: loss tokens whose recorded kept set differs from the filter the trainer
+    recomputes from its own logits (`support_mismatch`, and as a fraction of the global batch's loss tokens), and
+    sampled tokens whose kept set was too large to record (`support_unrecorded`: the trainer's filter was used).
+    `support` [b, S-1, K], `keep` [b, S-1]: the loss positions."""
+    count = float(sum(int(m.sum()) for m in mismatch))
+    unrecorded = float(((support[..., 0] == SUPPORT_OVERFLOW) & keep.to(support.device)).sum())
+    return {
+        "sampling/support_mismatch": count,
+        "sampling/support_mismatch_fraction": count / max(float(global_toks), 1.0),
+        "sampling/support_unrecorded": unrecorded,
+    }
+
+
 def _chunk_bounds(num_positions: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, num_positions)) for s in range(0, num_positions, chunk_size)]
 
@@ -77,16 +98,26 @@ def _target_logprobs(
     top_k: int | None,
     top_p: float,
     want_unfiltered: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(filtered log-prob, unfiltered log-prob) of each target, [...] each (the same tensor unless `want_unfiltered`)."""
+    support: torch.Tensor | None = None,  # [..., K] the sampler's recorded kept sets (`sampling.support_record`)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(filtered log-prob, unfiltered log-prob, support mismatch) of each target, [...] each (the unfiltered one is the
+    filtered tensor unless `want_unfiltered`; the mismatch, bool, flags recorded positions where the filter
+    recomputed from these logits keeps another set than the recorded one: None without `support`)."""
     logits = lm_head(h).float() / temperature  # [..., V]
     plain = None
     if want_unfiltered:
         plain = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [...]
-    if filtering_active(top_k, top_p):
+    mismatch = None
+    if support is not None and filtering_active(top_k, top_p):
+        own_drop = top_k_top_p_mask(logits, top_k, top_p)  # [..., V]
+        kept, recorded = support_mask(support.to(logits.device), logits.shape[-1])  # [..., V], [...]
+        drop = torch.where(recorded.unsqueeze(-1), ~kept, own_drop)  # [..., V]
+        mismatch = recorded & (own_drop != drop).any(dim=-1)  # [...]
+        logits = logits.masked_fill(drop, float("-inf"))
+    elif filtering_active(top_k, top_p):
         logits = apply_top_k_top_p(logits, top_k, top_p)
     lp = logits.log_softmax(-1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)  # [...]
-    return lp, (plain if plain is not None else lp)
+    return lp, (plain if plain is not None else lp), mismatch
 
 
 def next_token_logprobs(
@@ -117,7 +148,8 @@ def next_token_logprobs(
     targets = input_ids[:, 1:].to(hidden.device)  # [B, S-1]
 
     def chunk_fn(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _target_logprobs(h, tgt, lm_head, temperature, top_k, top_p, want_unfiltered)
+        lp, plain, _ = _target_logprobs(h, tgt, lm_head, temperature, top_k, top_p, want_unfiltered)
+        return lp, plain
 
     if chunk_size is None:
         vocab = _vocab_size(lm_head, hidden)
@@ -149,9 +181,13 @@ def selected_logprobs(
     top_p: float = 1.0,
     chunk_size: int | None = None,
     return_unfiltered: bool = False,
+    support: torch.Tensor | None = None,  # [M, K] the sampler's recorded kept sets, or None
+    mismatch_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`next_token_logprobs` for packed positions: float32 [M] (and the unfiltered copy when asked), `chunk_size`
-    positions at a time, each chunk recomputed in backward when there are several."""
+    positions at a time, each chunk recomputed in backward when there are several. With `support` the recorded kept
+    sets replace the recomputed filter where present, and `mismatch_out` (if given) receives each chunk's
+    support-mismatch flags (`_target_logprobs`)."""
     filtered = filtering_active(top_k, top_p)
     want_unfiltered = return_unfiltered and filtered
     num = hidden.shape[0]
@@ -161,8 +197,14 @@ def selected_logprobs(
     recompute = torch.is_grad_enabled() and hidden.requires_grad and num > chunk_size
     outs, plains = [], []
     for start, end in _chunk_bounds(num, chunk_size):
-        args = (hidden[start:end], targets[start:end], lm_head, temperature, top_k, top_p, want_unfiltered)
-        lp, plain = checkpoint(_target_logprobs, *args, use_reentrant=False) if recompute else _target_logprobs(*args)
+        part = None if support is None else support[start:end]
+        args = (hidden[start:end], targets[start:end], lm_head, temperature, top_k, top_p, want_unfiltered, part)
+        if recompute:
+            lp, plain, mismatch = checkpoint(_target_logprobs, *args, use_reentrant=False)
+        else:
+            lp, plain, mismatch = _target_logprobs(*args)
+        if mismatch_out is not None and mismatch is not None:
+            mismatch_out.append(mismatch)
         outs.append(lp)
         plains.append(plain)
     if not outs:

@@ -23,6 +23,7 @@ from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.metrics import merge_clients, strip_sketches
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
+    GENERATION_SUPPORT,
     LP_SEED_FIELDS,
     PARTITION_FIELDS,
     TASK_PREV_LP,
@@ -74,6 +75,7 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
     bootstraps_store = True
     train_task = TASK_TRAIN
     train_fields = DP_TRAIN_FIELDS
+    optional_train_fields = (GENERATION_SUPPORT,)
     train_meta_timers = ("policy_training/shard_meta", "policy_training/submit_training_futures")
 
     def __init__(
@@ -122,9 +124,12 @@ class TQPolicy(TQFacade[Policy, TQPolicyWorker], ColocatablePolicyInterface):
     ) -> None:
         """Shard `meta` (log-prob seed fields only) over the DP ranks; each rank writes its result back."""
         check_meta(meta, task_name)
+        seed = LP_SEED_FIELDS  # the policy's own pass filters with the sampler's kept sets when the rollout wrote them
+        if task_name == TASK_PREV_LP and GENERATION_SUPPORT in (meta.fields or ()):
+            seed = (*LP_SEED_FIELDS, GENERATION_SUPPORT)
         shards = self._meta_shards(
             meta,
-            LP_SEED_FIELDS,
+            seed,
             task_name,
             batch_size=None,
             stage="logprob_mb_tokens",

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.config import PolicyConfig
+from relayrl.data_plane.schema import GENERATION_SUPPORT
 from relayrl.distributed import refit, refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models import fp8_kv
@@ -223,8 +224,13 @@ class PolicyWorker(ModelWorker):
         filtered: bool,
         return_unfiltered: bool = False,
         fill: torch.Tensor | None = None,
+        mismatch_out: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Temperature-scaled (and, if `filtered`, top-k/top-p filtered) next-token log-probs [B, S-1].
+
+        Filtered passes apply the sampler's recorded kept set where the batch carries one (`generation_support`
+        [B, S, K], token-aligned), else the filter recomputed from these logits; `mismatch_out` receives the
+        support-mismatch flags of the selected positions (`logprobs.selected_logprobs`).
 
         Only the positions where `select` [B, S-1] is True are computed, and only the work they depend on (each row
         cut after its last selected position, shared prompt prefixes computed once, the last layer's MLP and the head
@@ -237,6 +243,9 @@ class PolicyWorker(ModelWorker):
         select = select.to(input_ids.device).bool() & (positions[None, :] < lengths.to(input_ids.device)[:, None] - 1)
         rows_per_chunk = self.cfg.logprob_chunk_size * batch if self.cfg.logprob_chunk_size else None
         packed = self.cfg.sequence_packing.enabled
+        support = mb.get(GENERATION_SUPPORT) if filtered else None
+        if support is not None:
+            support = support[:, 1:].to(select.device)[select]  # [M, K]: the set each selected target came from
         if packed and rows_per_chunk is None and not torch.is_grad_enabled():  # no-grad packed micro-batches hold
             # many rows: small head slabs (training keeps the default, where more chunks would mean recomputation)
             rows_per_chunk = lp_ops.auto_chunk_size(1, self._vocab(model), lp_ops.PACKED_CHUNK_BUDGET_BYTES)
@@ -258,6 +267,8 @@ class PolicyWorker(ModelWorker):
                 top_p=gen.top_p if filtered else 1.0,
                 chunk_size=rows_per_chunk,
                 return_unfiltered=return_unfiltered,
+                support=support,
+                mismatch_out=mismatch_out,
             )  # [M]
         base = torch.zeros(batch, seq - 1) if fill is None else fill.float()  # [B, S-1]
         base = base.to(lp.device)
@@ -307,6 +318,7 @@ class PolicyWorker(ModelWorker):
                     if "sample_mask" in mb:
                         keep &= mb["sample_mask"].bool()[:, None]
                 lp, _ = self._next_token_logprobs(model, mb, keep, filtered=filtered)  # [b, S-1]
+                # (recorded kept sets apply here too; the training pass counts their mismatches)
                 if filtered:  # -inf (sampled token outside the kept set) -> 0
                     lp = lp_ops.zero_invalid(lp, keep)
                 place(out, rows, lp_ops.token_aligned(lp, mb["input_lengths"]).float().cpu())  # [b, S] or [b, w]
@@ -353,13 +365,23 @@ class PolicyWorker(ModelWorker):
             # Only loss positions are computed; the others (multiplied by a zero mask in every loss) hold the
             # previous policy's log-probs, so ratios there stay finite (1) instead of exp(-prev) overflowing.
             fill = mb["prev_logprobs"][:, 1:] if "prev_logprobs" in mb else None
+            mismatch: list[torch.Tensor] = []
             lp, plain = self._next_token_logprobs(
-                self.dp.train_module, mb, keep, filtered=self.filtering, return_unfiltered=self.filtering, fill=fill
+                self.dp.train_module,
+                mb,
+                keep,
+                filtered=self.filtering,
+                return_unfiltered=self.filtering,
+                fill=fill,
+                mismatch_out=mismatch,
             )  # [b, S-1]
             if self.filtering:
                 lp = lp_ops.zero_invalid(lp, keep)
                 mb["curr_logprobs_unfiltered"] = plain
-            return loss_fn(lp, mb, global_seqs, global_toks)
+            loss, metrics = loss_fn(lp, mb, global_seqs, global_toks)
+            if self.filtering and GENERATION_SUPPORT in mb:
+                metrics.update(lp_ops.support_metrics(mismatch, mb[GENERATION_SUPPORT][:, 1:], keep, global_toks))
+            return loss, metrics
 
         return microbatch_loss
 

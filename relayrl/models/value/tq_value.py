@@ -21,6 +21,7 @@ from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.data_plane.metrics import merge_clients
 from relayrl.data_plane.schema import (
     DP_TRAIN_FIELDS,
+    GENERATION_SUPPORT,
     REWARDS,
     TOKEN_ALIGNED_FIELDS,
     TRAIN_CONSUMER_TASKS,
@@ -50,6 +51,8 @@ TASK_VALUE_TRAIN = "value_train"
 TASK_ADVANTAGES = "advantages"
 #: Every field a PPO step writes: GRPO's train fields plus the critic's columns and the per-row rewards.
 PPO_TRAIN_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, VALUES, RETURNS, REWARDS)
+#: What a PPO step's partition declares: those, and the sampler's kept sets when sampling filters.
+PPO_PARTITION_FIELDS: tuple[str, ...] = (*PPO_TRAIN_FIELDS, GENERATION_SUPPORT)
 PPO_CONSUMER_TASKS: tuple[str, ...] = (*TRAIN_CONSUMER_TASKS, TASK_VALUES, TASK_ADVANTAGES, TASK_VALUE_TRAIN)
 
 
@@ -84,7 +87,7 @@ class TQValue(TQFacade[Value, TQValueWorker], ValueInterface):
         """Register the step's partition with every PPO field (the policy's `prepare_step` knows only GRPO's)."""
         check_sample_count(num_samples, "prepare_step")
         self.dp_client.register_partition(
-            self.tq_partition_id, list(PPO_TRAIN_FIELDS), num_samples, list(PPO_CONSUMER_TASKS), None
+            self.tq_partition_id, list(PPO_PARTITION_FIELDS), num_samples, list(PPO_CONSUMER_TASKS), None
         )
 
     # ------------------------------------------------------------------ dispatch (train_from_meta: TQFacade)

@@ -61,6 +61,9 @@ def assert_same_generation(out: BatchedDataDict, ref: BatchedDataDict) -> None:
         assert torch.equal(out[key], ref[key]), key
     assert out["logprobs"].shape == ref["logprobs"].shape
     assert (out["logprobs"] - ref["logprobs"]).abs().max() <= 1e-4  # other batch shapes: float rounding only
+    assert ("support" in out) == ("support" in ref)  # the sampler's kept sets (top_k) survive the workers' merge
+    if "support" in ref:
+        assert torch.equal(out["support"], ref["support"])
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relayrl.models.generation.sampling import SUPPORT_OVERFLOW
 from relayrl.models.policy import logprobs as lp_ops
 
 B, S, H, V = 3, 9, 16, 40
@@ -128,3 +129,23 @@ def test_auto_chunk_size_respects_budget() -> None:
     assert lp_ops.auto_chunk_size(rows=4, vocab_size=1000, budget_bytes=4 * 1000 * 4 * 7) == 7
     assert lp_ops.auto_chunk_size(rows=4096, vocab_size=150_000) == 1
     assert not lp_ops.filtering_active(None, 1.0) and lp_ops.filtering_active(3, 1.0)
+
+
+def test_recorded_support_replaces_the_filter_only_where_recorded(setup) -> None:
+    """Positions with a record mask to it (and count a mismatch where the recomputed filter differs); an overflow
+    marker or an empty record falls back to the filter recomputed from these logits."""
+    hidden, head, ids = setup
+    h, tgt = hidden.reshape(B * S, H)[:4], ids.reshape(-1)[:4]  # [4, H], [4]
+    logits = head(h).float()  # [4, V]
+    top3 = logits.topk(3, dim=-1).indices  # [4, 3]
+    support = torch.zeros(4, 6, dtype=torch.int32)  # [4, K]
+    support[0, :3] = top3[0] + 1  # the same set the filter keeps: no mismatch
+    support[1, :2] = torch.stack([tgt[1], (tgt[1] + 1) % V]) + 1  # another set, holding the target
+    support[2, 0] = SUPPORT_OVERFLOW  # row 3 stays all zeros: nothing recorded
+    mismatch: list[torch.Tensor] = []
+    got, _ = lp_ops.selected_logprobs(h, head, tgt, top_k=3, support=support, mismatch_out=mismatch)
+    own = lp_ops.apply_top_k_top_p(logits, 3, 1.0).log_softmax(-1).gather(-1, tgt[:, None])[:, 0]  # [4]
+    pair = logits[1, [tgt[1], (tgt[1] + 1) % V]]
+    torch.testing.assert_close(got[[0, 2, 3]], own[[0, 2, 3]], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], pair.log_softmax(-1)[0], atol=1e-6, rtol=0)
+    assert torch.cat(mismatch).tolist() == [False, True, False, False]
