@@ -322,8 +322,9 @@ class StepTail:
         timing = timer.get_timing_metrics("sum")
         timing[UNACCOUNTED] = phase_remainder(timing)
         p.logger.log_metrics(timing, step, prefix="timing/train")
-        if data_plane_seconds is not None:
-            p.logger.log_metrics({"share_of_step": data_plane_seconds / step_time}, step, prefix="data_plane")
+        if data_plane_seconds is not None:  # of the whole step, as the timing breakdown's phases
+            share = data_plane_seconds / max(float(timing[TOTAL]), 1e-9)  # type: ignore[arg-type]
+            p.logger.log_metrics({"share_of_step": share}, step, prefix="data_plane")
         perf = {
             "samples_per_sec": r.rows_per_step / step_time,
             "tokens_per_sec": metrics["total_num_tokens"] / step_time,

@@ -130,11 +130,16 @@ def test_a_hung_child_ends_the_call_and_the_request_waiting_behind_it(char_token
 
     def lock_taken() -> bool:  # by the generate call's thread (an RLock: probed from a third thread)
         taken: list[bool] = []
-        probe = threading.Thread(target=lambda: taken.append(remote._lock.acquire(blocking=False)))
+
+        def probe_lock() -> None:  # an RLock is released by the thread that acquired it
+            got = remote._lock.acquire(blocking=False)
+            taken.append(got)
+            if got:
+                remote._lock.release()
+
+        probe = threading.Thread(target=probe_lock)
         probe.start()
         probe.join()
-        if taken[0]:
-            remote._lock.release()
         return not taken[0]
 
     caller = threading.Thread(target=generate, daemon=True)
