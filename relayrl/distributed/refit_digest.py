@@ -14,8 +14,9 @@ keeps in another dtype (the bf16 projection copies); the trainer digests its own
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -79,6 +80,26 @@ def tensor_digest(t: torch.Tensor) -> Digest:
 
 def digest_all(named: Iterable[tuple[str, torch.Tensor]]) -> Digests:
     """Digests of many tensors with one host sync per device (not one per tensor)."""
+    with _one_cpu_thread():
+        return _digest_all(named)
+
+
+@contextlib.contextmanager
+def _one_cpu_thread() -> Iterator[None]:
+    """CPU reductions on one thread: a digest is hundreds of small reductions, and where ranks and generation
+    workers share cores each one would otherwise wait at a thread barrier for a descheduled thread (bench/refit_verify
+    measured milliseconds becoming hundreds of them)."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def _digest_all(named: Iterable[tuple[str, torch.Tensor]]) -> Digests:
     pending: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for key, t in named:
         reduced = _reduce(t)
