@@ -209,10 +209,12 @@ class HfGeneration(GenerationInterface):
 
     def weight_digests(self, delivered: torch.dtype | None = None) -> refit_digest.Digests:
         """Digests of what the next generate() reads (`module_digests`; compute copies refreshed as it would)."""
-        model, cw = self.model, self.compute_weights
-        fresh = cw is not None and self.uses_fast_path and (cw.refresh(model, self._weights_key(model)) or True)
+        model, copies = self.model, None
+        if self.compute_weights is not None and self.uses_fast_path:
+            self.compute_weights.refresh(model, self._weights_key(model))
+            copies = self.compute_weights.copies()
         shared = self.trainer_storage() if self.trainer_storage is not None else None
-        return module_digests(model, cw.copies() if fresh and cw else None, self._kv_scales, delivered, shared)
+        return module_digests(model, copies, self._kv_scales, delivered, shared)
 
     def worker_digests(self) -> list[refit_digest.Digests]:
         return [self.weight_digests()]
