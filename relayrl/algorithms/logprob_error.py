@@ -7,7 +7,7 @@ for perfect agreement; sequences above a threshold can be dropped from the loss 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -35,6 +35,17 @@ def logprob_error_alarm(metrics: Mapping[str, object], gen: GenerationConfig, st
         "a kernel or precision mismatch; policy.generation.logprob_error_alarm: enforce fails the step, log only "
         "logs, off skips the check)"
     )
+
+
+def act_on_logprob_error(
+    metrics: Mapping[str, object], gen: GenerationConfig, step: int, warn: Callable[[str], None]
+) -> None:
+    """What every trainer (and replay) does with a logged step's alarm: raise under `enforce`, `warn` under `log`."""
+    alarm = logprob_error_alarm(metrics, gen, step)
+    if alarm is not None and gen.logprob_error_alarm == "enforce":
+        raise LogprobErrorAlarm(alarm)
+    if alarm is not None:
+        warn(f"warning: {alarm}")
 
 
 def _stats(errors: torch.Tensor, prefix: str, suffix: str = "") -> dict[str, float]:

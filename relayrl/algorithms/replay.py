@@ -24,6 +24,7 @@ import torch
 
 from relayrl.algorithms.advantages import message_level_advantages
 from relayrl.algorithms.grpo_sync import GRPOSyncSteps, grpo_rollout_spec, grpo_step_start
+from relayrl.algorithms.logprob_error import act_on_logprob_error
 from relayrl.algorithms.protocols import Generation, Rollout
 from relayrl.algorithms.rollout_sources import RolloutSpec, StepStart, prepare_rollout, received
 from relayrl.algorithms.setup import DataPlaneComponents, setup
@@ -278,6 +279,7 @@ def replay_run(
                 assert result is not None  # no dynamic sampling: every batch completes a step
                 with timer.time("logging"):
                     c.logger.log_metrics(result.metrics, step, prefix="train")
+                act_on_logprob_error(result.metrics, cfg.policy.generation, step, c.logger.print_message)
                 timer.stop(TOTAL)
                 timing = timer.get_timing_metrics("sum")
                 timing[UNACCOUNTED] = phase_remainder(timing)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
-from relayrl.algorithms.logprob_error import LogprobErrorAlarm, logprob_error_alarm
+from relayrl.algorithms.logprob_error import act_on_logprob_error
 from relayrl.algorithms.protocols import BatchLoader, Checkpointable, Checkpointer, Generation, TrainLogger
 from relayrl.config import MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
@@ -311,11 +311,8 @@ class StepTail:
         # logged before the checkpoint: a run killed right after its checkpoint must not resume past an unlogged step
         with timer.time("logging"):
             p.logger.log_metrics(metrics, step, prefix="train")
-        alarm = logprob_error_alarm(metrics, cfg.policy.generation, step)
-        if alarm is not None and cfg.policy.generation.logprob_error_alarm == "enforce":
-            raise LogprobErrorAlarm(alarm)  # before the checkpoint: the resume point stays the last good step
-        if alarm is not None:
-            p.logger.print_message(f"warning: {alarm}")
+        # before the checkpoint: a failed step is never a resume point
+        act_on_logprob_error(metrics, cfg.policy.generation, step, p.logger.print_message)
         if is_last or stop_early or out_of_time or stop_requested() or step % cfg.checkpointing.save_period == 0:
             self.save(step, val_metrics or {}, metrics)
         timer.stop(TOTAL)  # the step ends with its checkpoint: `checkpointing` is one of its phases (STEP_PHASES)

@@ -5,6 +5,7 @@ and says whether the replayed training metrics equal the recorded ones."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,18 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"{run_dir} is not a run directory (no config.yaml)")
     if out.exists() and any(out.iterdir()):
         return fail(f"--out {out} exists and is not empty; name a new directory")
+    from relayrl.algorithms.logprob_error import LogprobErrorAlarm
     from relayrl.algorithms.replay import replay_run
     from relayrl.algorithms.setup import SetupError
+    from relayrl.distributed.refit_digest import RefitVerificationError
 
     try:
         report = replay_run(run_dir, args.from_step, args.to_step, out, overrides)
     except (ConfigError, SetupError, FileNotFoundError, ValueError, KeyError) as exc:
         return fail(str(exc).strip("'\""))
+    except (LogprobErrorAlarm, RefitVerificationError) as exc:  # a fault in a replayed step: one line, exit 1
+        print(f"relayrl: error: {exc}", file=sys.stderr)
+        return 1
     steps = f"{report.steps[0]}..{report.steps[-1]}"
     print(f"replayed steps {steps} of {run_dir} -> {report.metrics_path}")
     if args.overrides:
