@@ -72,6 +72,11 @@ def _train_steps(run_dir: Path) -> list[int]:
     return sorted({int(r["step"]) for r in rows if "train/loss" in r})
 
 
+def _saved(run_dir: Path) -> list[int]:
+    """Steps with a complete (published) checkpoint; a step's metrics are logged before its checkpoint is written."""
+    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
 def _train(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
     address = ray.get_runtime_context().gcs_address
     env = dict(os.environ, RELAYRL_REFIT_IPC_DIR=str(run_dir.parent), RAY_AUTH_MODE="disabled", RAY_ADDRESS=address)
@@ -87,7 +92,7 @@ def test_killed_worker_ends_the_run_naming_the_rank_and_the_next_start_resumes(
     proc = _train(run_dir, *OVERRIDES)
     try:
         deadline = time.monotonic() + 300
-        while len(_train_steps(run_dir)) < 2:  # two steps done (and checkpointed): the run is in step 3 or later
+        while len(_saved(run_dir)) < 2:  # two steps checkpointed: the run is in step 3 or later
             assert proc.poll() is None, proc.communicate()[1][-2000:]
             assert time.monotonic() < deadline, "the Ray run did not reach step 2 in 300 s"
             time.sleep(0.2)
@@ -111,7 +116,7 @@ def test_killed_worker_ends_the_run_naming_the_rank_and_the_next_start_resumes(
         time.sleep(0.5)
     assert not [pid for pid in victims if Path(f"/proc/{pid}").exists()], "Ray rank processes left behind"
     done = _train_steps(run_dir)
-    saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    saved = _saved(run_dir)
     assert saved and saved[-1] >= 2
 
     # The next start (no overrides: the run's own config) resumes after the last complete checkpoint.
