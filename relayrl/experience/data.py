@@ -23,6 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from relayrl.config import REWARD_FNS_TASK, DataConfig, DatasetConfig, MasterConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.experience.arithmetic import all_problems, split_problems
+from relayrl.experience.chat_render import no_gc_pauses, render_prompts
 
 _SUFFIXES = (".jsonl", ".parquet")
 _CHUNK = 1024  # prompts rendered and tokenized per call
@@ -300,12 +301,7 @@ class PromptDataset(Dataset):
             if system_prompt is not None and messages[0]["role"] != "system":
                 messages.insert(0, {"role": "system", "content": system_prompt})
             conversations.append(messages)
-        for start in range(0, len(records), _CHUNK):  # batched rendering and tokenization: several times faster
-            chunk = conversations[start : start + _CHUNK]
-            rendered = tokenizer.apply_chat_template(
-                chunk, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-            )
-            token_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        for start, rendered, token_ids in render_prompts(tokenizer, conversations, chat_template_kwargs, _CHUNK):
             for k, (text, ids) in enumerate(zip(rendered, token_ids)):
                 n = start + k + 1
                 if len(ids) > max_prompt_length:
@@ -319,7 +315,7 @@ class PromptDataset(Dataset):
                     )
                 rec = records[n - 1]
                 if rec.columns is not None and rec.task != REWARD_FNS_TASK:  # an environment class re-renders it
-                    self._conversations[len(self._items)] = chunk[k]
+                    self._conversations[len(self._items)] = conversations[n - 1]
                 self._items.append((text, torch.tensor(ids, dtype=torch.long), rec))
         if not self._items:
             raise ValueError(f"{name}: all {len(records)} prompts are over the limit of {max_prompt_length} tokens")
@@ -389,7 +385,15 @@ def rl_collate_fn(rows: list[dict[str, Any]]) -> BatchedDataDict:
 def build_datasets(
     cfg: MasterConfig, tokenizer: Any, given: GivenRows = (None, None), episode_tasks: frozenset[str] = frozenset()
 ) -> tuple[PromptDataset, PromptDataset | None]:
-    """The train dataset and, when configured, the validation dataset."""
+    """The train dataset and, when configured, the validation dataset (a few objects per prompt: built without the
+    collector's pauses)."""
+    with no_gc_pauses():
+        return _build_datasets(cfg, tokenizer, given, episode_tasks)
+
+
+def _build_datasets(
+    cfg: MasterConfig, tokenizer: Any, given: GivenRows, episode_tasks: frozenset[str]
+) -> tuple[PromptDataset, PromptDataset | None]:
     train_records, val_records = load_records(cfg, given, episode_tasks)
     common = {
         "max_prompt_length": cfg.max_prompt_length,
