@@ -51,16 +51,7 @@ class _HostedRolloutActor(SyncRolloutActor):
         from relayrl.utils import device as dev
 
         dev.apply_runtime_settings(deterministic, torch_num_threads, master_config.cluster.retain_freed_memory)
-        kind, payload = envs
-        if kind == "pickled":
-            task_to_env = pickle.loads(payload)
-        else:  # environments holding locks or pools: built here, from the registry, for the same task names
-            from relayrl.environments.registry import create_env
-
-            task_to_env = {
-                name: pickle.loads(part) if part is not None else create_env(name, master_config.env)
-                for name, part in payload.items()
-            }
+        task_to_env = receive_environments(envs, master_config)
         super().__init__(policy_generation, tokenizer, task_to_env, master_config, dp_cfg)
 
     def shutdown(self) -> bool:
@@ -221,6 +212,19 @@ def ship_environments(task_to_env: dict[str, Any]) -> tuple[str, Any]:
         except (TypeError, pickle.PicklingError, AttributeError):
             parts[name] = None
     return "parts", parts
+
+
+def receive_environments(envs: tuple[str, Any], cfg: MasterConfig) -> dict[str, Any]:
+    """The environments `ship_environments` sent, in this process: unpickled, or built here from the registry by
+    task name (environments holding locks or pools)."""
+    kind, payload = envs
+    if kind == "pickled":
+        return dict(pickle.loads(payload))
+    from relayrl.environments.registry import create_env
+
+    return {
+        name: pickle.loads(part) if part is not None else create_env(name, cfg.env) for name, part in payload.items()
+    }
 
 
 def check_environments_ship(task_to_env: dict[str, Any], timeout_s: float) -> None:

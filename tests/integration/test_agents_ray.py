@@ -22,6 +22,10 @@ import pytest
 import relayrl
 from relayrl.algorithms.setup import SetupError
 from relayrl.cli.main import main
+from relayrl.config import MasterConfig
+from relayrl.environments.registry import build_tool_environments
+from relayrl.experience.ray_rollout import receive_environments, ship_environments
+from relayrl.utils.config_io import load_config
 from tests.helpers import metrics_by_step
 
 ray = pytest.importorskip("ray")
@@ -120,17 +124,20 @@ def test_a_multi_turn_run_on_ray_logs_the_local_executors_numbers(runs) -> None:
     assert total["tool_calls"] > 0 and total["invalid_tool_calls"] > 0  # the tool ran; malformed calls counted
     assert 0 < total["tool_timeouts"] < total["tool_calls"]  # the deadline cut the odd answers' calls in the actor
     # the flight recorder has the turns on Ray too: the same conversations, rewards and tool calls
+    recorded_calls = 0
     for step in (1, 2):
         rows = {
             executor: pq.read_table(run / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
             for executor, run in runs.items()
         }
-        same = ("prompt", "completion", "reward_env", "env_metadata")
+        same = ("prompt", "completion", "reward_env", "env_metadata", "turns")  # turns: role, tokens, calls, results
         assert [{k: r[k] for k in same} for r in rows["ray"]] == [{k: r[k] for k in same} for r in rows["local"]]
+        recorded_calls += sum("tool_calls" in t for r in rows["ray"] for t in json.loads(r["turns"]))
         calls = [len(json.loads(r["tool_latency_s"])) for r in rows["ray"]]
         assert calls == [len(json.loads(r["tool_latency_s"])) for r in rows["local"]]
         timed_out = [t for r in rows["ray"] for t in json.loads(r["tool_latency_s"]) if t >= 0.3]
         assert all(t < 1.0 for t in timed_out)  # a hung call cost its deadline, not its 2 s
+    assert recorded_calls == total["tool_calls"]  # every call that ran, with its arguments and result
 
 
 def test_a_failing_reset_on_ray_ends_the_cli_run_with_one_line(ray_cluster, tmp_path, monkeypatch, capsys) -> None:
@@ -148,7 +155,7 @@ def test_a_failing_reset_on_ray_ends_the_cli_run_with_one_line(ray_cluster, tmp_
     monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
     argv = ["train", "--run-dir", "run", "env.environment_factory=bad_env.py:Picky", "data.shuffle=false"]
     argv += ["data.train.source=file", "data.train.path=data.jsonl", "cluster.executor=ray"]
-    argv += [f"{k}={v}" for k, v in SMALL.items() if k != "cluster.deterministic"]
+    argv += [f"{k}={v}" for k, v in {**SMALL, "cluster.workers_per_node": 1}.items()]  # fewer actors to start
     assert main(argv) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
     assert len(err) == 1, err
@@ -181,3 +188,46 @@ def test_a_class_the_actor_cannot_load_is_refused_before_the_model_loads(ray_clu
             assert not (tmp_path / cls.__name__ / "metrics.jsonl").exists()
     finally:
         sys.modules.pop("private_envs", None)
+
+
+def play_served(envs: tuple, cfg: MasterConfig) -> dict:
+    """In a Ray worker: receive the environments as the rollout actor does, play two episodes on the server."""
+    from tests.integration.test_served_env import _call
+
+    env = receive_environments(envs, cfg)["environment"]
+    rows = [{"row": k + 1, "prompt": "Find it.", "columns": {"answer": a}} for k, a in enumerate(("4", "9"))]
+    metas = [s.metadata for s in env.start_episodes(rows)]
+    ret = env.step([_call("3"), _call("9")], metas)  # row 1 wrong, row 2 right: the server says done
+    end = env.end_episodes([_call("3")], [ret.metadata[0]])
+    return {
+        "pid": os.getpid(),
+        "tools": [o.get("chat") for o in ret.observations],
+        "rewards": ret.rewards.tolist() + end.rewards.tolist(),
+        "done": ret.terminateds.tolist(),
+        "metrics": env.rollout_metrics(),
+    }
+
+
+def test_a_served_environment_from_the_config_plays_in_a_ray_worker(ray_cluster) -> None:
+    """`env.openenv` on Ray: the served environment built from the config is sent as the rollout actor gets it and
+    made again in a Ray worker, which plays episodes against the real OpenEnv server on loopback."""
+    pytest.importorskip("openenv")
+    from tests.integration.test_served_env import Served
+
+    server = Served()
+    try:
+        keys = {
+            "base_url": server.url,
+            "action": "tests.integration.test_served_env:Guess",
+            "reset_columns": "[answer]",
+        }
+        cfg = load_config(None, [f"env.openenv.{k}={v}" for k, v in keys.items()] + ["cluster.executor=ray"])
+        envs = ship_environments(build_tool_environments(cfg, None, None))
+        out = ray.get(ray.remote(num_cpus=0)(play_served).remote(envs, cfg), timeout=60)
+    finally:
+        server.stop()
+    assert out["pid"] != os.getpid()
+    assert out["tools"] == [[{"role": "tool", "name": "step", "content": c}] for c in ("wrong", "correct")]
+    assert out["done"] == [False, True] and out["rewards"] == [0.0, 1.0, 0.0]  # the server's rewards
+    m = out["metrics"]
+    assert (m["env/episodes"], m["env/tool_calls"], m["env/server_errors"]) == (2, 2, 0)
