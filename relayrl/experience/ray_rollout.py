@@ -246,7 +246,8 @@ def check_environments_ship(task_to_env: dict[str, Any], timeout_s: float) -> No
     problems = get_within(
         check.remote(payloads), timeout_s, "the environment classes' check in a Ray worker", "cluster.start_timeout_s"
     )
-    for what, problem in problems.items():
+    if problems:  # the first one (a run has one class, or a few from one module)
+        what, problem = next(iter(problems.items()))
         raise ValueError(f"{what} cannot be rebuilt in the Ray rollout actor: {problem}; {_FIX}")
 
 

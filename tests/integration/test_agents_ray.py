@@ -185,7 +185,7 @@ def test_a_class_the_actor_cannot_load_is_refused_before_the_model_loads(ray_clu
             line = str(err.value)
             assert "\n" not in line and line.startswith(f"environment class {cls.__name__} {problem}"), line
             assert "env.environment_factory=file.py:Class" in line
-            assert not (tmp_path / cls.__name__ / "metrics.jsonl").exists()
+            assert not (tmp_path / cls.__name__ / "config.yaml").exists()  # written once the model has loaded
     finally:
         sys.modules.pop("private_envs", None)
 
