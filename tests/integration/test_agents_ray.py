@@ -5,7 +5,8 @@ A class given to `relayrl.train` travels by value (here: made by `exec`, as a cl
 `file.py:Class` entry is loaded again in the actor from its absolute path; a served environment (`env.openenv`) is
 made again there from its config. The same 2-step multi-turn run (2 training workers, a tool that times out on an
 odd answer, malformed calls) logs the same numbers on the local and the Ray executor. As in test_agents.py the
-shipped model's `\\boxed{N}` is read as a call of the class's `check` tool.
+shipped model's `\\boxed{N}` is read as a call of the class's `check` tool. Outside the suite (`-m slow`): the same
+comparison for the legacy GRPO trainer, PPO and a served environment's full run.
 """
 
 from __future__ import annotations
@@ -231,3 +232,47 @@ def test_a_served_environment_from_the_config_plays_in_a_ray_worker(ray_cluster)
     assert out["done"] == [False, True] and out["rewards"] == [0.0, 1.0, 0.0]  # the server's rewards
     m = out["metrics"]
     assert (m["env/episodes"], m["env/tool_calls"], m["env/server_errors"]) == (2, 2, 0)
+
+
+def _same_numbers(root: Path, overrides: dict, **given) -> dict[str, float]:
+    """Run `overrides` on both executors; assert every reward, loss, env count and advantage is equal; the counts."""
+    steps = {}
+    for executor in ("local", "ray"):
+        run = relayrl.train(run_dir=root / executor, overrides={**overrides, "cluster.executor": executor}, **given)
+        steps[executor] = metrics_by_step(run.run_dir)
+    local, on_ray = steps["local"], steps["ray"]
+    words = ("reward", "loss", "grad_norm", "env/", "advantages/", "critic/")
+    keys = [k for k in local[1] if any(w in k for w in words) and "latency" not in k]
+    assert sorted(local) == sorted(on_ray) == [1, 2] and "train/env/episodes" in keys
+    for step in (1, 2):
+        assert {k: on_ray[step][k] for k in keys} == {k: local[step][k] for k in keys}, step
+    return {k: sum(local[s][k] for s in (1, 2)) for k in keys if k.startswith("train/env/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["legacy", "ppo", "served"])
+def test_other_trainers_and_a_served_run_on_ray_log_the_local_numbers(ray_cluster, tmp_path, monkeypatch, trainer):
+    """Beside the suite (`-m slow`, ~40 s each): the legacy GRPO trainer (its rollouts stay in the driver), PPO on
+    the data plane (its rollout actor on Ray) and a served environment's 2-step run on Ray, each against the local
+    executor."""
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    if trainer == "served":
+        pytest.importorskip("openenv")
+        from tests.integration.test_served_env import SMALL as SERVED
+        from tests.integration.test_served_env import Served
+
+        server = Served(intro="")
+        try:
+            keys = {**SERVED, "env.openenv.reset_columns": ["answer"], "env.openenv.base_url": server.url}
+            keys |= {k: v for k, v in SMALL.items() if k.startswith(("cluster.", "policy.train_micro", "checkpoint"))}
+            counts = _same_numbers(tmp_path, keys)
+        finally:
+            server.stop()
+        assert counts["train/env/tool_calls"] > 0 and counts["train/env/server_errors"] == 0
+        return
+    overrides = {**SMALL, "data_plane.enabled": False} if trainer == "legacy" else {}
+    if trainer == "ppo":
+        overrides = {k.replace("grpo.", "ppo."): v for k, v in SMALL.items() if "invalid_tool_call" not in k}
+        overrides |= {"algorithm": "ppo", "value.train_global_batch_size": 4, "value.train_micro_batch_size": 2}
+    counts = _same_numbers(tmp_path, overrides, environment_factory=_by_value(), reward_fns=[checks])
+    assert counts["train/env/tool_calls"] > 0 and counts["train/env/tool_timeouts"] > 0
