@@ -36,7 +36,6 @@ def test_one_class_is_the_default_task_several_are_routed_by_the_environment_col
     ("keys", "message"),
     [
         ({"grpo": {"async_grpo": {"enabled": True}}, "data_plane": {"enabled": True}}, "async_grpo.enabled=true yet"),
-        ({"cluster": {"executor": "ray"}}, "cluster.executor=local only"),
         ({"env": {"environment_factory": "no_colon"}}, "must look like module:Class"),
         ({"env": {"environment_factory": {}}}, "empty mapping"),
         ({"env": {"tool_call_parser": "nope"}}, "must be 'hermes' or module:function"),
