@@ -74,7 +74,7 @@ def OVERRIDES(model_dir: Path) -> list[str]:  # noqa: N802
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the actors' processes through /proc")
 @pytest.mark.parametrize(
     ("title", "named"),
-    [(b"ray::StoreActor", "data plane register_partition: the actor serving it is gone"),
+    [(b"ray::StoreActor", "data plane register_partition on partition 'train': the actor serving it is gone"),
      (b"ray::_HostedRolloutActor", "the rollout actor died during")],
     ids=["store", "rollout_actor"],
 )  # fmt: skip
