@@ -36,6 +36,7 @@ from relayrl.algorithms.runner import LoopParts, run_loop
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.algorithms.validation import Envs, sync_validator
 from relayrl.config import GenerationConfig, MasterConfig
+from relayrl.environments.registry import fork_environments
 from relayrl.experience.flight_recorder import import_rows
 from relayrl.experience.ray_rollout import RayRolloutActor, rollout_actor_cls
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
@@ -96,8 +97,15 @@ def _producer_side(
             torch.cuda.current_stream(device).synchronize()
         return weights
 
-    local = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
-    return ProducerSide(engine, local, local.client, clone_live, pin=pin)
+    # environments of their own: validation rolls out on the trainer's thread while the producer rolls out on its own
+    envs = fork_environments(task_to_env)
+    own = [env for env in envs.values() if all(env is not shared for shared in task_to_env.values())]
+    try:
+        local = actor_cls(engine, tokenizer, envs, cfg, cfg.data_plane)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return ProducerSide(engine, local, local.client, clone_live, pin=pin, envs=own)
 
 
 def _local_engine(

@@ -341,11 +341,6 @@ def apply_environment_defaults(cfg: MasterConfig, several: bool) -> None:
             "environment classes (env.environment_factory) run on cluster.executor=local only for now (Ray rollout "
             "actors would need the class importable there); use the local executor"
         )
-    if cfg.algorithm == "grpo" and cfg.grpo.async_grpo.enabled:
-        raise ValueError(
-            "environment classes (env.environment_factory) are not supported with grpo.async_grpo.enabled=true yet; "
-            "use the synchronous trainer (data_plane.enabled=true, the default, or the legacy one)"
-        )
     for ds in (cfg.data.train, cfg.data.validation):
         if ds is None:
             continue
