@@ -202,11 +202,21 @@ def boxed_as_guess(text: str) -> list[dict]:
 def test_the_cli_trains_2_steps_on_a_served_environment(tmp_path, capsys) -> None:
     server = Served(intro="")  # the shipped model answers only the bare arithmetic prompt with \\boxed{N}
     argv = ["train", "--run-dir", str(tmp_path / "run"), f"env.openenv.base_url={server.url}"]
+    # asynchronous GRPO too: its producer plays the episodes on the same server; with d = 0 it logs what the
+    # synchronous data-plane trainer logs
+    on_async = ["train", "--run-dir", str(tmp_path / "async"), f"env.openenv.base_url={server.url}"]
+    on_async += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=0"]
+    on_async += ["grpo.async_grpo.generator=thread"]
     try:
         assert main(argv + [f"{k}={v}" for k, v in SMALL.items()]) == 0
+        assert main(on_async + [f"{k}={v}" for k, v in SMALL.items()]) == 0
     finally:
         server.stop()
-    steps = metrics_by_step(tmp_path / "run", skip=("per_sec", "latency", "timing"))
+    skip = ("per_sec", "latency", "timing", "bytes", "fraction")  # clocks, rates and byte counters
+    steps, d0 = (metrics_by_step(tmp_path / name, skip=skip) for name in ("run", "async"))
+    assert sorted(d0) == sorted(steps) == [1, 2]
+    for step, m in steps.items():
+        assert {k: d0[step][k] for k in m} == m, f"step {step}: async d=0 differs from sync on a served environment"
     assert sorted(steps) == [1, 2]
     for m in steps.values():
         assert m["train/env/episodes"] == 4 and m["train/env/server_errors"] == 0
