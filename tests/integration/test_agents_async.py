@@ -146,6 +146,8 @@ def test_multi_turn_async_is_deterministic_and_leaks_no_key(runs) -> None:
     a, b = _metrics(runs["a"]), _metrics(runs["b"])
     assert sorted(a) == list(range(1, STEPS + 1))
     assert a == b
+    # `relayrl diff` agrees, recorded samples included: the tools' latency is a clock it never compares
+    assert main(["diff", str(runs["a"]), str(runs["b"])]) == 0
     assert [a[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
     # rollouts of more than one turn: the tool ran, and its answer was fed back for a second reply
     assert sum(a[s]["train/env/tool_calls"] for s in a) > 0 and max(a[s]["train/max_turns_per_sample"] for s in a) == 2
