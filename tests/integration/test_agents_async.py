@@ -1,11 +1,12 @@
 """Environment classes on asynchronous GRPO (issue 26 item 5): multi-turn tool-use rollouts made by the producer, one
-instance per rollout in the producer's own copy of the environments. d = 1 is deterministic and leaks no store key,
-d = 0 logs what the synchronous data-plane trainer logs (metrics, `train/env/*` counts and the flight recorder's
-turns), and a run SIGKILLed with multi-turn rollouts in flight resumes to the uninterrupted run's metrics and
-recorded rows (the batches in flight come back from the checkpoint, never replayed against new instances). Every
-trainer closes the instances still open when a run fails.
+instance per rollout in the producer's own copy of the environments, malformed calls penalised per token. d = 1 is
+deterministic and leaks no store key, d = 0 logs what the synchronous data-plane trainer logs (metrics, `train/env/*`
+counts and the flight recorder's turns), and a run SIGKILLed with multi-turn rollouts in flight resumes to the
+uninterrupted run's metrics and recorded rows (the batches in flight come back from the checkpoint, never replayed
+against new instances). Every trainer closes the instances still open when a run fails.
 
-As in test_agents.py, the shipped model's `\\boxed{N}` reply is read as a call of the class's `check` tool.
+As in test_agents.py, the shipped model's `\\boxed{N}` reply is read as a call of the class's `check` tool (a
+negative N as a malformed call).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Checker:
 
 def boxed_as_call(text):
     found = re.search(r"\\\\boxed\\{([^}]*)\\}", text)
+    if found and found.group(1).startswith("-"):  # a malformed call: counted, penalised
+        raise ValueError("negative")
     return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
 '''
 SMALL = (
@@ -68,6 +71,7 @@ SMALL = (
     "grpo.val_batch_size=2",
     "logger.progress_bar=false",
     "checkpointing.save_period=2",
+    "grpo.invalid_tool_call_advantage=-1.0",  # per-token advantages from the producer's rows
 )
 # the producer's engine in its thread: what the generation process samples is the same (test_grpo_async), and
 # starting one per run would cost more than these runs take
@@ -165,6 +169,8 @@ def test_age_zero_logs_what_the_synchronous_trainer_logs(runs) -> None:
     for step, row in sync.items():
         assert {k: d0[step][k] for k in row} == row, f"step {step}: async d=0 differs from sync"
     assert any(k.startswith("train/env/") for k in sync[1])
+    assert sum(sync[s]["train/env/invalid_tool_calls"] for s in sync) > 0  # penalised (invalid_tool_call_advantage)
+    assert min(sync[s]["train/advantages/min"] for s in sync) == -1.0
     tool_turns = 0
     for step in range(1, STEPS + 1):  # the flight recorder's rows, turns included, are the synchronous ones
         rows = _rollouts(runs["sync"], step)
