@@ -234,6 +234,7 @@ def boxed_as_call(text: str) -> list[dict]:
         ("data_plane.enabled=true", ("reset", 5)),
         (" ".join(ASYNC), ("get_reward", 5)),  # the producer's episodes still open in its copy
     ],
+    ids=["legacy", "data_plane", "async"],
 )
 def test_every_trainer_closes_the_environments_of_a_failed_run(tmp_path, trainer, fail) -> None:
     """Batch 1's four episodes end and close; in batch 2 instance 5 fails, and the run ends with one error. Every
