@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs relayrl for CPU training: `bash scripts/setup.sh` (the trainer alone), or with extras,
 # e.g. `bash scripts/setup.sh ray,wandb` (see [project.optional-dependencies] in pyproject.toml).
-# torch is pinned and installed first so that pip never resolves a CUDA build of it.
+# torch is pinned (the CPU wheel where pip's find-links hold one) so that no CUDA build of it is resolved.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -19,7 +19,19 @@ pip_quiet() {  # pip, minus this machine's noisy "Location ... is ignored" lines
     return $rc
 }
 
-pip_quiet --upgrade pip
-pip_quiet "torch==2.13.0"
-pip_quiet -e ".${EXTRAS:+[$EXTRAS]}" "torch==2.13.0"
+# uv installs the same requirements 3-4x faster than pip (parallel downloads, one resolve); pip is the fallback
+# where uv cannot be installed. uv does not read pip's configuration, so pip's find-links (where a local torch
+# wheel may lie) are passed on.
+if [ -x .venv/bin/uv ] || pip_quiet uv 2>/dev/null; then
+    links=()
+    pip_links=$(.venv/bin/python -m pip config list 2>/dev/null | sed -n "s/^global.find-links='\(.*\)'$/\1/p")
+    for d in ${PIP_FIND_LINKS:-} $pip_links; do
+        links+=(--find-links "$d")
+    done
+    .venv/bin/uv pip install -q --python .venv/bin/python "${links[@]}" "torch==2.13.0" -e ".${EXTRAS:+[$EXTRAS]}"
+else
+    pip_quiet --upgrade pip
+    pip_quiet "torch==2.13.0"
+    pip_quiet -e ".${EXTRAS:+[$EXTRAS]}" "torch==2.13.0"
+fi
 .venv/bin/python -c "import torch, transformers, relayrl; print(f'relayrl {relayrl.__version__} ready (torch {torch.__version__}, transformers {transformers.__version__})')"

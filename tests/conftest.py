@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,25 +49,86 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> 
     return path
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A local Ray for one test module, shut down at its end if this fixture started it. scripts/test.sh runs the
-    suite with `--dist loadscope`: a module's tests stay on one worker, so the cluster serves them alone (another
-    worker's module may run its own cluster beside it; `address="local"` never joins one).
+RAY_HEAD_CPUS = 8  # the most any module declares (`RAY_NUM_CPUS`); Ray uses the count for placement only
 
-    num_cpus is the module's `RAY_NUM_CPUS` (default 4: on 2 cores TransferQueue's actors wait forever with fewer);
-    no dashboard, worker logs kept out of the test output, no token file written to the home directory."""
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """The head's `ray start --block` gets SIGTERM if this pytest worker dies, so no cluster outlives the suite."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@pytest.fixture(scope="session")
+def _ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Ray head per pytest(-xdist) worker, started at its first Ray module and stopped at the session's end.
+
+    Each module joins it as its own driver (`ray_cluster`), so a module's actors, placement groups and named actors
+    end with its job, while the cluster's start (GCS, raylet, prestarted workers: 3-6 s a module) is paid once per
+    worker. `ray start --block` stays this process's child, so the cluster's processes are descendants of the test
+    process (tests that look for a run's rank processes walk that tree)."""
     ray = pytest.importorskip("ray")
-    if ray.is_initialized():  # left running by an earlier module: its size and leftovers are not this module's
+    if ray.is_initialized():
+        ray.shutdown()
+    port = _free_port()
+    log = tmp_path_factory.mktemp("ray_head") / "head.log"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}"]
+    cmd += [f"--num-cpus={RAY_HEAD_CPUS}", "--include-dashboard=false", "--disable-usage-stats"]
+    with log.open("w") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + 180  # seconds on an idle box; a busy one (the suite's other worker) takes longer
+    while "Ray runtime started" not in log.read_text():
+        if head.poll() is not None or time.monotonic() > deadline:
+            head.kill()
+            pytest.fail(f"the test Ray head did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.terminate()  # `ray start --block` drains and stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+
+
+def _alive_actors() -> list[str]:
+    from ray._private import state
+
+    return sorted(a["ActorClassName"] for a in state.actors().values() if a["State"] != "DEAD")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest, _ray_head: str) -> Iterator[None]:
+    """This module's Ray: the worker's head (`_ray_head`) joined as a new driver, disconnected at the module's end,
+    which ends the module's job and with it every actor it started. scripts/test.sh runs the suite with `--dist
+    loadscope`: a module's tests stay on one worker, so the cluster serves them alone (the other worker has its
+    own head). A module starts only once the actors of the one before it are gone: it never shares the cluster
+    with another module's leftovers.
+
+    `RAY_NUM_CPUS` in a module says how many logical CPUs it needs (default 4: on 2 cores TransferQueue's actors
+    wait forever with fewer); worker logs are kept out of the test output; no token file is written."""
+    ray = pytest.importorskip("ray")
+    need = getattr(request.module, "RAY_NUM_CPUS", 4)
+    assert need <= RAY_HEAD_CPUS, f"RAY_NUM_CPUS={need} is more than the test head's {RAY_HEAD_CPUS} CPUs"
+    if ray.is_initialized():  # a driver an earlier module (or the code it tested) left connected
         ray.shutdown()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        address="local",  # always a new cluster: never one another test module (or a `ray start`) left running
-        num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4),
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    ray.init(address=_ray_head, log_to_driver=False)
     try:
+        leftovers, settle = _alive_actors(), time.monotonic() + 30
+        while leftovers and time.monotonic() < settle:  # the previous job's actors end asynchronously
+            time.sleep(0.2)
+            leftovers = _alive_actors()
+        assert not leftovers, f"actors of an earlier test module still alive on the Ray head: {leftovers}"
         yield
     finally:
         ray.shutdown()

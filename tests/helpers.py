@@ -250,6 +250,18 @@ EXACT_RUN = (
     "cluster.torch_num_threads=1",
 )
 
+#: An exact 2-prompt run with no validation and a kept checkpoint after every step: what the fault probes damage.
+CHECKPOINT_EVERY_STEP = (
+    *EXACT_RUN,
+    "grpo.num_prompts_per_step=2",
+    "policy.train_global_batch_size=8",
+    "grpo.val_period=0",
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=false",
+    "checkpointing.save_period=1",
+    "checkpointing.keep_top_k=null",
+)
+
 
 #: Runs `python ARGV...` (`-m module args` or `-c code args`) with `CheckpointManager.finalize_checkpoint` patched to
 #: SIGKILL the process the moment the checkpoint named by the first argument is published.

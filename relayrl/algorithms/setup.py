@@ -181,6 +181,7 @@ def _setup(
     from relayrl.environments.registry import build_environments, build_reward_fn_env, build_tool_environments
     from relayrl.experience.data import build_dataloaders
     from relayrl.experience.episodes import check_chat_template
+    from relayrl.experience.ray_rollout import check_environments_ship
 
     inputs = inputs or UserInputs()
     check_trainer_executor(cfg)
@@ -220,6 +221,8 @@ def _setup(
             "(or reward_fns= in relayrl.train)"
         )
     start_ray_for_run(cfg)
+    if tool_envs and cfg.cluster.executor == "ray" and cfg.data_plane.enabled:  # rollouts run in a Ray actor
+        check_environments_ship(tool_envs, cfg.cluster.start_timeout_s)  # its classes must load there: checked now
     checkpointer = CheckpointManager(cfg.checkpointing, checkpoint_dir)
     remove_stale_readers(checkpoint_dir)
     last = checkpointer.get_latest_checkpoint_path()

@@ -15,6 +15,8 @@ both sides of that actor once:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import ClassVar, Concatenate, ParamSpec, TypeVar, cast
 
@@ -63,6 +65,22 @@ def carry(fn: Callable[[], R]) -> R:
         return fn()
     except DataPlaneError as e:
         raise RemoteError(type(e).__name__, str(e), getattr(e, "missing", None)) from None
+
+
+@functools.cache
+def _signature(method: Callable[..., object]) -> inspect.Signature:
+    return inspect.signature(method)
+
+
+def call_name(method: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> str:
+    """How a timed-out or failed ledger call is named: the method, and the partition it was for when it takes one
+    (`claim_meta on partition 'train'`), so the line says which stream of the step stalled."""
+    try:
+        bound = _signature(method).bind_partial(None, *args, **kwargs)  # None: the unbound method's `self`
+    except TypeError:
+        return method.__name__
+    pid = bound.arguments.get("partition_id")
+    return method.__name__ if pid is None else f"{method.__name__} on partition {pid!r}"
 
 
 def await_remote(ref: ray.ObjectRef[R], timeout_s: float, what: str) -> R:
@@ -146,7 +164,7 @@ class RemoteClient(ProxyClient):
     def _call_within(
         self, timeout_s: float, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> R:
-        return self._wait(self._submit(method, *args, **kwargs), method.__name__, timeout_s)
+        return self._wait(self._submit(method, *args, **kwargs), call_name(method, args, kwargs), timeout_s)
 
     def reset(self, storage_capacity: int | None = None) -> None:
         """Drop every partition of the shared store (optionally changing its capacity), for every attached

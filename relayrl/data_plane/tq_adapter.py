@@ -183,9 +183,15 @@ class TQDataPlaneClient(RemoteClient):
             if n and (cols or tags):
                 td = TensorDict({name: _to_wire(c) for name, c in cols.items()}, batch_size=[n]) if cols else None
                 sent = True
-                self._tq(tq.async_kv_batch_put(keys=keys, partition_id=partition_id, fields=td, tags=tags), "put")
+                self._tq(
+                    tq.async_kv_batch_put(keys=keys, partition_id=partition_id, fields=td, tags=tags),
+                    f"put to partition {partition_id!r}",
+                )
                 if cols:  # TQ reports success even when the controller rejected the update: check it recorded all
-                    meta = self._tq(self._tq_client.async_kv_retrieve_meta(keys, partition_id, False), "put check")
+                    meta = self._tq(
+                        self._tq_client.async_kv_retrieve_meta(keys, partition_id, False),
+                        f"put check on partition {partition_id!r}",
+                    )
                     lost = [name for name in cols if name not in meta.field_names]
                     if meta.size != n or lost:
                         raise RuntimeError(
@@ -207,7 +213,10 @@ class TQDataPlaneClient(RemoteClient):
         FieldNotWrittenError naming them instead of returning the mix. Best effort; the put's error wins."""
         try:
             if new_keys and sent_fields:
-                self._tq(tq.async_kv_clear(keys=new_keys, partition_id=partition_id), "roll back")
+                self._tq(
+                    tq.async_kv_clear(keys=new_keys, partition_id=partition_id),
+                    f"roll back on partition {partition_id!r}",
+                )
         finally:
             self._call(Ledger.abort_put, partition_id, keys, new_keys, sent_fields, new_fields)
 
@@ -215,16 +224,30 @@ class TQDataPlaneClient(RemoteClient):
         # The ledger validates (and names what is wrong) while TQ looks the keys up: no added latency.
         check = self._submit(Ledger.check_get, partition_id, keys, names)
         uniq = list(dict.fromkeys(keys))
-        meta = self._tq(self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), "get") if uniq else None
-        return self._fetch(keys, uniq, partition_id, names, meta, self._wait(check, "check_get"))
+        meta = (
+            self._tq(
+                self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), f"get on partition {partition_id!r}"
+            )
+            if uniq
+            else None
+        )
+        return self._fetch(
+            keys, uniq, partition_id, names, meta, self._wait(check, f"check_get on partition {partition_id!r}")
+        )
 
     def _get_checked(
         self, keys: list[str], partition_id: str, names: list[str]
     ) -> tuple[FieldBatch, dict[str, torch.Tensor]]:
         check = self._submit(Ledger.check_get_checksums, partition_id, keys, names)
         uniq = list(dict.fromkeys(keys))
-        meta = self._tq(self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), "get") if uniq else None
-        specs, checksums = self._wait(check, "check_get")
+        meta = (
+            self._tq(
+                self._tq_client.async_kv_retrieve_meta(uniq, partition_id, False), f"get on partition {partition_id!r}"
+            )
+            if uniq
+            else None
+        )
+        specs, checksums = self._wait(check, f"check_get on partition {partition_id!r}")
         return self._fetch(keys, uniq, partition_id, names, meta, specs), checksums
 
     def _fetch(
@@ -252,7 +275,7 @@ class TQDataPlaneClient(RemoteClient):
                 f"transfer_queue lost data of partition {partition_id!r}: it holds {meta.size}/{len(uniq)} of the "
                 f"requested keys and lacks field(s) {absent} that the ledger recorded as written"
             )
-        td = self._tq(self._tq_client.async_get_data(meta.select_fields(names)), "get")
+        td = self._tq(self._tq_client.async_get_data(meta.select_fields(names)), f"get on partition {partition_id!r}")
         out = {name: _from_wire(name, td.get(name), specs[name], len(uniq)) for name in names}
         if len(uniq) != len(keys):
             pos = {k: i for i, k in enumerate(uniq)}
@@ -265,7 +288,7 @@ class TQDataPlaneClient(RemoteClient):
             raise TypeError("clear_samples takes a sequence of keys (or None), not a single string")
         present = self._call(Ledger.present, partition_id, None if keys is None else list(keys))
         if present:
-            self._tq(tq.async_kv_clear(keys=present, partition_id=partition_id), "clear")
+            self._tq(tq.async_kv_clear(keys=present, partition_id=partition_id), f"clear on partition {partition_id!r}")
         return self._call(Ledger.clear_samples, present, partition_id)
 
     # ------------------------------------------------------------------ lifecycle
@@ -289,7 +312,7 @@ class TQDataPlaneClient(RemoteClient):
         super().reset(storage_capacity)
         for pid, held in self._tq(self._tq_client.async_kv_list(None), "list").items():
             if held:  # TQ cannot drop an empty partition (it warns instead)
-                self._tq(self._tq_client.async_clear_partition(pid), "clear_partition")
+                self._tq(self._tq_client.async_clear_partition(pid), f"clear_partition on partition {pid!r}")
 
 
 # ---------------------------------------------------------------------------------------------------- bootstrap

@@ -93,19 +93,19 @@ for line in sys.stdin:
 class _Verifier:
     """A lazily started child interpreter verifying one pair at a time; killed when a pair overruns."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str) -> None:
+        self._source = source
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
         self._lock = threading.Lock()  # one conversation with the child at a time
 
     def _start(self) -> None:
-        source = inspect.getsource(verify_answer) + _WORKER_LOOP
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", source], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+            [sys.executable, "-c", self._source], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
         )
         self._buffer = b""
         if self._read_reply(_STARTUP_TIMEOUT_S) != "ready":
-            self.close()
+            self._close()
             raise RuntimeError("math-verify worker process did not start")
 
     def _read_reply(self, timeout_s: float) -> str | None:
@@ -160,7 +160,7 @@ class _Verifier:
             spent += time.monotonic() - started
             if reply is None:
                 timed_out = self._proc.poll() is None
-                self.close()  # the next pair goes to a fresh process
+                self._close()  # the next pair goes to a fresh process
                 if timed_out and cut:  # this answer and the rest: over budget
                     return self._over_budget(out, len(pairs), batch_timeout_s)
                 if timed_out:
@@ -180,7 +180,11 @@ class _Verifier:
         return out + [(0.0, "over_budget")] * rest
 
     def close(self) -> None:
-        """Kill the child (idempotent)."""
+        """Kill the child (idempotent); the next pair starts a new one."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.kill()
@@ -192,9 +196,24 @@ class _Verifier:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close()
         except Exception:  # interpreter shutdown: the child exits on its own when stdin closes
             pass
+
+
+_VERIFIERS: dict[tuple[int, str], _Verifier] = {}
+_VERIFIERS_LOCK = threading.Lock()
+
+
+def _shared_verifier() -> _Verifier:
+    """This process's verifier child, shared by its math environments (train and validation, and every run of a
+    process that trains several times: each new child costs a second of CPU importing sympy). Keyed by pid, so a
+    forked process never talks to its parent's child, and by the worker's source."""
+    key = (os.getpid(), inspect.getsource(verify_answer) + _WORKER_LOOP)
+    with _VERIFIERS_LOCK:
+        if key not in _VERIFIERS:
+            _VERIFIERS[key] = _Verifier(key[1])
+        return _VERIFIERS[key]
 
 
 class MathEnvironment(EnvironmentInterface):
@@ -205,7 +224,7 @@ class MathEnvironment(EnvironmentInterface):
         self.last_metrics: dict[str, int] = {}
         # Counts since the last `global_post_process_and_metrics`, which reports and resets them.
         self._pending = {"num_verify_errors": 0, "num_verify_timeouts": 0, "num_verify_over_budget": 0}
-        self._verifier = _Verifier()
+        self._verifier = _shared_verifier()
         self._cache: OrderedDict[tuple[str, str], float] = OrderedDict()  # (gold, answer) -> verdict, LRU
 
     # ------------------------------------------------------------------ scoring
@@ -277,8 +296,8 @@ class MathEnvironment(EnvironmentInterface):
         )
 
     def shutdown(self) -> None:
-        """Stop the verifier process (idempotent)."""
-        self._verifier.close()
+        """Nothing to stop: the verifier child is the process's (`_shared_verifier`) and ends with it, its stdin
+        closing; a run that ends leaves it for the next run of the process."""
 
     # ------------------------------------------------------------------ batch metrics
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, Any]]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from relayrl.config import ENVIRONMENT_TASK, REWARD_FNS_TASK, EnvConfig, MasterConfig
@@ -68,29 +70,33 @@ def build_tool_environments(
     if configured is None and given is None and env.openenv is None:
         return {}
     factories: dict[str, Any]
+    sources: dict[str, Callable[[], type]]  # how a Ray rollout actor loads each class again
     if env.openenv is not None:  # a served environment: its class is made from the server's Action
         from relayrl.environments.openenv_env import openenv_environment
 
         o = env.openenv
-        factories = {
-            ENVIRONMENT_TASK: openenv_environment(
-                o.base_url,
-                o.action,
-                client=o.client,
-                tool_name=o.tool_name,
-                observation_field=o.observation_field,
-                reset_columns=o.reset_columns,
-                timeout_s=o.timeout_s,
-            )
-        }
+        served = functools.partial(
+            openenv_environment,
+            o.base_url,
+            _absolute(o.action),
+            client=None if o.client is None else _absolute(o.client),
+            tool_name=o.tool_name,
+            observation_field=o.observation_field,
+            reset_columns=o.reset_columns,
+            timeout_s=o.timeout_s,
+        )
+        factories, sources = {ENVIRONMENT_TASK: served()}, {ENVIRONMENT_TASK: served}
     elif configured is not None:
         key = "env.environment_factory"
         entries = {ENVIRONMENT_TASK: configured} if isinstance(configured, str) else dict(configured)
-        factories = {
-            name: load_reward_fn(path, key=f"{key} entry {path!r}", kind="class") for name, path in entries.items()
+        sources = {
+            name: functools.partial(load_reward_fn, _absolute(path), key=f"{key} entry {path!r}", kind="class")
+            for name, path in entries.items()
         }
-    else:
+        factories = {name: load() for name, load in sources.items()}
+    else:  # classes given in Python travel to a Ray rollout actor as they are (cloudpickle)
         factories = dict(given) if isinstance(given, dict) else {ENVIRONMENT_TASK: given}
+        sources = {}
     parser: ToolCallParser = parse_hermes
     if env.tool_call_parser != "hermes":
         parser = load_reward_fn(env.tool_call_parser, key=f"env.tool_call_parser {env.tool_call_parser!r}")
@@ -105,9 +111,17 @@ def build_tool_environments(
             template_kwargs=cfg.policy.tokenizer.chat_template_kwargs,
             metric_prefix=f"env/{name}" if several else "env",
             on_server_error=env.on_server_error,
+            source=sources.get(name),
         )
         for name, factory in factories.items()
     }
+
+
+def _absolute(entry: str) -> str:
+    """`file.py:Name` with the file's absolute path (a Ray actor loads it again from another directory); a
+    `module:Name` entry as it is."""
+    module, sep, attr = entry.rpartition(":")
+    return f"{Path(module).expanduser().absolute()}{sep}{attr}" if module.endswith(".py") else entry
 
 
 def _make_reward_fns(cfg: EnvConfig) -> EnvironmentInterface:

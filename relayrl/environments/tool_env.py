@@ -22,7 +22,6 @@ asking `get_reward` and counts it (`"count"`, `env/server_errors`). Instances ar
 
 from __future__ import annotations
 
-import copy
 import inspect
 import itertools
 import logging
@@ -94,6 +93,7 @@ class ToolEnvironment(EnvironmentInterface):
         template_kwargs: dict[str, Any] | None = None,
         metric_prefix: str = "env",
         on_server_error: str = "fail",
+        source: Callable[[], type] | None = None,
     ) -> None:
         if not callable(factory):
             raise ValueError(f"environment_factory {factory!r} is not a class (or callable making an environment)")
@@ -111,18 +111,41 @@ class ToolEnvironment(EnvironmentInterface):
             raise ValueError(f"env.on_server_error must be 'fail' or 'count', got {on_server_error!r}")
         self.on_server_error = on_server_error
         self.served_by = getattr(factory, "served_by", None)
+        #: How another process gets the class: loads it again (a configured `file.py:Class` / `module:Class`, a
+        #: served environment's config); None sends the class itself (cloudpickle: by value from `__main__`).
+        self.source = source
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
         self._episodes: dict[int, _Episode] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0.0)
 
+    # ------------------------------------------------------------------ shipping (a Ray rollout actor)
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings and the class (or its `source`), without live episodes, lock or counts: what a Ray
+        rollout actor builds its own copy from before any episode starts."""
+        with self._lock:
+            if self._episodes:
+                raise TypeError(f"environment class {self.name} has live episodes; it is sent before the rollouts")
+        skip = ("_episodes", "_ids", "_lock", "_counts") + (("factory",) if self.source is not None else ())
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.source is not None:
+            self.factory = self.source()  # e.g. the file loaded again, in this process
+        self._fresh_state()
+
     def fork(self, fork: Callable[[EnvironmentInterface], EnvironmentInterface]) -> EnvironmentInterface:
         """The same class and settings with episodes and counters of their own (and its reward functions forked)."""
-        twin = copy.copy(self)
+        twin = object.__new__(type(self))  # not copy.copy: that would pickle (reload a file class) via __getstate__
+        twin.__dict__.update(self.__dict__)
         scorer = None if self.reward_fns is None else fork(self.reward_fns)
         assert scorer is None or isinstance(scorer, RewardFunctionEnvironment)
-        twin.reward_fns, twin._episodes, twin._ids = scorer, {}, itertools.count()
-        twin._lock, twin._counts = threading.Lock(), dict.fromkeys(COUNTERS, 0.0)
+        twin.reward_fns = scorer
+        twin._fresh_state()
         return twin
 
     # ------------------------------------------------------------------ episodes

@@ -13,6 +13,9 @@ way and is refused with one line.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,3 +111,46 @@ class ChatRenderer:
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """Building tens of thousands of small objects (one per prompt) sets off the cyclic collector's full passes,
+    each over every object torch and transformers hold; none of these objects can form a cycle worth collecting
+    mid-build, so the collector waits until the build is done."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts, add_special_tokens=False)["input_ids"]`. A fast tokenizer whose backend carries no
+    truncation or padding is asked directly: the same ids, without transformers building one dict of optional
+    fields per text (most of the time it takes)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
+    return list(tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def render_prompts(
+    tokenizer: Any,
+    conversations: Sequence[list[dict[str, str]]],
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    chunk: int = 1024,
+) -> Iterator[tuple[int, list[str], list[list[int]]]]:
+    """Each chunk of conversations rendered as prompts (generation prompt opened) and tokenized in one call each:
+    yields (index of the chunk's first conversation, texts, token ids)."""
+    with no_gc_pauses():
+        for start in range(0, len(conversations), chunk):
+            texts = tokenizer.apply_chat_template(
+                list(conversations[start : start + chunk]),
+                tokenize=False,
+                add_generation_prompt=True,
+                **(chat_template_kwargs or {}),
+            )
+            yield start, texts, _token_ids(tokenizer, texts)

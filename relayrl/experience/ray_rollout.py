@@ -24,6 +24,7 @@ import torch
 from relayrl.config import DataPlaneConfig, MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.errors import ActorLostError
+from relayrl.environments.tool_env import EnvironmentClassError
 from relayrl.experience.flight_recorder import export_rows, import_rows
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
 
@@ -50,13 +51,7 @@ class _HostedRolloutActor(SyncRolloutActor):
         from relayrl.utils import device as dev
 
         dev.apply_runtime_settings(deterministic, torch_num_threads, master_config.cluster.retain_freed_memory)
-        kind, payload = envs
-        if kind == "pickled":
-            task_to_env = pickle.loads(payload)
-        else:  # environments holding locks or pools: built here, from the registry, for the same task names
-            from relayrl.environments.registry import create_task_to_env
-
-            task_to_env = create_task_to_env(payload, master_config.env)
+        task_to_env = receive_environments(envs, master_config)
         super().__init__(policy_generation, tokenizer, task_to_env, master_config, dp_cfg)
 
     def shutdown(self) -> bool:
@@ -111,10 +106,7 @@ class RayRolloutActor:
         self._ray = ray
         c = master_config.cluster
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_HostedRolloutActor)
-        try:
-            envs: tuple[str, Any] = ("pickled", ray.cloudpickle.dumps(task_to_env))
-        except (TypeError, pickle.PicklingError):
-            envs = ("names", list(task_to_env))
+        envs = ship_environments(task_to_env)
         self._actor = actor_cls.remote(
             policy_generation,  # pickled as a copy: workers + generator state, never the policy
             tokenizer,
@@ -182,6 +174,11 @@ class RayRolloutActor:
         except self._ray.exceptions.RayActorError as exc:  # its process died (killed, OOM, its node lost)
             self._stuck = True  # nothing more to ask it: shutdown only makes sure it is gone
             raise ActorLostError(f"the rollout actor died during {what!r} ({death_site(exc)})") from None
+        except self._ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, EnvironmentClassError):  # the user's class: its one line, not Ray's trace around it
+                raise cause from None
+            raise
 
     def shutdown(self) -> bool:
         """Take the sampling stream back into the driver's engine, detach the actor from the store, stop it."""
@@ -196,3 +193,81 @@ class RayRolloutActor:
             with contextlib.suppress(Exception):  # already gone with its node or process
                 self._ray.kill(self._actor, no_restart=True)
         return True
+
+
+def ship_environments(task_to_env: dict[str, Any]) -> tuple[str, Any]:
+    """The environments in the form the rollout actor rebuilds them from: the dict pickled whole (shared objects
+    stay shared), else each one that pickles (environment classes: `ToolEnvironment.__getstate__`) and the task
+    name of each that does not (built there from the registry)."""
+    import ray
+
+    try:
+        return "pickled", ray.cloudpickle.dumps(task_to_env)
+    except (TypeError, pickle.PicklingError, AttributeError):
+        pass
+    parts: dict[str, bytes | None] = {}
+    for name, env in task_to_env.items():
+        try:
+            parts[name] = ray.cloudpickle.dumps(env)
+        except (TypeError, pickle.PicklingError, AttributeError):
+            parts[name] = None
+    return "parts", parts
+
+
+def receive_environments(envs: tuple[str, Any], cfg: MasterConfig) -> dict[str, Any]:
+    """The environments `ship_environments` sent, in this process: unpickled, or built here from the registry by
+    task name (environments holding locks or pools)."""
+    kind, payload = envs
+    if kind == "pickled":
+        return dict(pickle.loads(payload))
+    from relayrl.environments.registry import create_env
+
+    return {
+        name: pickle.loads(part) if part is not None else create_env(name, cfg.env) for name, part in payload.items()
+    }
+
+
+def check_environments_ship(task_to_env: dict[str, Any], timeout_s: float) -> None:
+    """Refuse (ValueError, one line), before any model loads, an environment class the Ray rollout actor could not
+    rebuild: one that does not pickle, or whose module (or `file.py`) a Ray worker cannot load. A Ray task unpickles
+    each one the way the actor will."""
+    import ray
+
+    from relayrl.distributed.ray_executor import get_within
+
+    payloads: dict[str, bytes] = {}
+    for name, env in task_to_env.items():
+        what = f"environment class {getattr(env, 'name', name)}"
+        try:
+            payloads[what] = ray.cloudpickle.dumps(env)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the class's
+            raise ValueError(f"{what} cannot be sent to the Ray rollout actor: {_line(exc)}; {_FIX}") from None
+    check = ray.remote(num_cpus=0, max_retries=0)(_unpickle_problems)
+    problems = get_within(
+        check.remote(payloads), timeout_s, "the environment classes' check in a Ray worker", "cluster.start_timeout_s"
+    )
+    if problems:  # the first one (a run has one class, or a few from one module)
+        what, problem = next(iter(problems.items()))
+        raise ValueError(f"{what} cannot be rebuilt in the Ray rollout actor: {problem}; {_FIX}")
+
+
+_FIX = (
+    "define it at the top level of a module the Ray workers can import (the working directory or PYTHONPATH), "
+    "name it as env.environment_factory=file.py:Class, or use cluster.executor=local"
+)
+
+
+def _unpickle_problems(payloads: dict[str, bytes]) -> dict[str, str]:
+    """In a Ray worker: {name: one line} for each payload that does not unpickle there."""
+    problems = {}
+    for what, payload in payloads.items():
+        try:
+            pickle.loads(payload)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver as one line
+            problems[what] = _line(exc)
+    return problems
+
+
+def _line(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from relayrl.utils.seeding import deterministic_algorithms
+
 Precision = Literal["float32", "bfloat16", "float16"]
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +95,7 @@ def apply_runtime_settings(
     if deterministic:
         # cuBLAS needs a fixed workspace for deterministic GEMMs; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        deterministic_algorithms()
 
 
 #: glibc mallopt parameters (malloc.h) and the values `retain_freed_heap_memory` sets.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import warnings
 from typing import Any
 
@@ -74,7 +75,20 @@ def enable_determinism(warn_only: bool = False) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    deterministic_algorithms(warn_only=warn_only)
+
+
+def deterministic_algorithms(warn_only: bool = False) -> None:
+    """`torch.use_deterministic_algorithms(True)` without importing `torch._inductor`, which it does only to set
+    inductor's `deterministic` flag: a second of CPU in every fresh process (each Ray rank and generation worker,
+    each CLI run). Inductor reads that flag from TORCHINDUCTOR_DETERMINISTIC when first imported, and is set
+    directly when it already is: the same state as torch's own call."""
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True  # type: ignore[attr-defined]
+    else:
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    torch._C._set_deterministic_algorithms(True, warn_only=warn_only)
 
 
 def _to_lists(value: Any) -> Any:

@@ -11,24 +11,13 @@ from pathlib import Path
 import pytest
 
 from relayrl.cli.main import main
-from tests.helpers import EXACT_RUN, tiny_grpo_overrides
+from tests.helpers import CHECKPOINT_EVERY_STEP, tiny_grpo_overrides
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     run = tmp_path_factory.mktemp("faults_files") / "run"
-    overrides = tiny_grpo_overrides(
-        tiny_model_dir,
-        *EXACT_RUN,
-        "grpo.num_prompts_per_step=2",
-        "policy.train_global_batch_size=8",
-        "grpo.val_period=0",
-        "grpo.val_at_start=false",
-        "grpo.val_at_end=false",
-        "checkpointing.save_period=1",
-        "checkpointing.keep_top_k=null",
-        "grpo.max_num_steps=2",
-    )
+    overrides = tiny_grpo_overrides(tiny_model_dir, *CHECKPOINT_EVERY_STEP, "grpo.max_num_steps=2")
     assert main(["train", "--run-dir", str(run), *overrides]) == 0
     return run
 

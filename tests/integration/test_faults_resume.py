@@ -21,7 +21,7 @@ import pytest
 
 from relayrl.cli.main import main
 from relayrl.utils.checkpoint import verify_checkpoint
-from tests.helpers import EXACT_RUN, metrics_by_step, tiny_grpo_overrides
+from tests.helpers import CHECKPOINT_EVERY_STEP, metrics_by_step, tiny_grpo_overrides
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(4)]
 LR, MIN_LR_RATIO = 1e-3, 0.1
@@ -35,14 +35,7 @@ def _write_rows(path: Path, rows: list[dict]) -> Path:
 def _overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
     return tiny_grpo_overrides(
         model_dir,
-        *EXACT_RUN,
-        "grpo.num_prompts_per_step=2",
-        "policy.train_global_batch_size=8",
-        "grpo.val_period=0",
-        "grpo.val_at_start=false",
-        "grpo.val_at_end=false",
-        "checkpointing.save_period=1",
-        "checkpointing.keep_top_k=null",
+        *CHECKPOINT_EVERY_STEP,
         "logger.flight_recorder.enabled=false",
         "policy.scheduler.name=cosine",
         f"policy.scheduler.min_lr_ratio={MIN_LR_RATIO}",

@@ -47,8 +47,23 @@ def _run(tmp_path: Path, model: Path, name: str, *extra: str) -> dict[int, dict]
     return _metrics(run_dir)
 
 
-def test_age_zero_reproduces_sync_trainer(tmp_path, tiny_model_dir):
-    sync = _run(tmp_path, tiny_model_dir, "sync")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    """Runs several tests read, each trained once per module: `shared(*extra)` -> (metrics, run directory)."""
+    root = tmp_path_factory.mktemp("async_shared")
+    cache: dict[tuple[str, ...], tuple[dict[int, dict], Path]] = {}
+
+    def get(*extra: str) -> tuple[dict[int, dict], Path]:
+        if extra not in cache:
+            name = f"run{len(cache)}"
+            cache[extra] = _run(root, tiny_model_dir, name, *extra), root / name
+        return cache[extra]
+
+    return get
+
+
+def test_age_zero_reproduces_sync_trainer(tmp_path, tiny_model_dir, shared):
+    sync, _ = shared()
     d0 = _run(tmp_path, tiny_model_dir, "async_d0", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=0")
     assert sorted(d0) == list(range(1, STEPS + 1))
     for step, row in sync.items():
@@ -56,14 +71,14 @@ def test_age_zero_reproduces_sync_trainer(tmp_path, tiny_model_dir):
         assert d0[step]["train/async/trajectory_age_mean"] == 0.0
 
 
-def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
-    a = _run(tmp_path, tiny_model_dir, "a", *ASYNC)
-    b = _run(tmp_path, tiny_model_dir, "b", *ASYNC)
-    assert a == b
+def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir, shared):
+    """Four runs of d = 1 in other generator and reference-pass modes log what the first logs, so a run is also
+    deterministic run to run (the resume test below compares a fifth, killed and resumed)."""
+    a, a_dir = shared(*ASYNC)
     assert (
-        assert_breakdown_adds_up(tmp_path / "a", timed=("waiting", "refit", "policy_training")) == STEPS
+        assert_breakdown_adds_up(a_dir, timed=("waiting", "refit", "policy_training")) == STEPS
     )  # the trainer's wait for the producer is a phase
-    producer = metrics_by_step(tmp_path / "a", ("timing/async/",), skip=())
+    producer = metrics_by_step(a_dir, ("timing/async/",), skip=())
     assert sorted(producer) == list(range(1, STEPS + 1))
     for step, m in producer.items():  # the producer's side: its idle time (staleness bound) and the queue it left
         assert m["timing/async/producer_idle"] >= 0.0 and m["timing/async/queue_depth"] in (0.0, 1.0, 2.0), (step, m)
@@ -73,7 +88,7 @@ def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
     assert _run(tmp_path, tiny_model_dir, "thread", *ASYNC, "grpo.async_grpo.generator=thread") == a
     assert _run(tmp_path, tiny_model_dir, "ref_trainer", *ASYNC, "grpo.async_grpo.reference_pass=trainer") == a
     assert _run(tmp_path, tiny_model_dir, "ref_producer", *ASYNC, "grpo.async_grpo.reference_pass=producer") == a
-    sync = _run(tmp_path, tiny_model_dir, "sync")
+    sync, _ = shared()
     for key in ("train/reward", "train/mean_gen_tokens_per_sample"):  # batch 1: the initial weights either way
         assert a[1][key] == sync[1][key]
     assert a[2]["train/async/generating_weight_version"] == 0.0  # batch 2 too; sync generates it with version 1
@@ -85,11 +100,11 @@ def test_age_one_is_deterministic_and_off_policy(tmp_path, tiny_model_dir):
     assert a[STEPS]["train/sampling_importance_ratio"] != 1.0
 
 
-def test_old_policy_from_the_training_forward_equals_a_separate_pass(tmp_path, tiny_model_dir):
+def test_old_policy_from_the_training_forward_equals_a_separate_pass(tmp_path, tiny_model_dir, shared):
     """One optimizer step per batch: pi_old is the trainer's weights at the step's start, so the training forward's
     detached log-probs are pi_old. Against the separate old-policy pass (the reference's way), every step's loss,
     gradient and importance weight agree to float rounding, on stale (age 1) samples."""
-    fused = _run(tmp_path, tiny_model_dir, "fused", *ASYNC)
+    fused, _ = shared(*ASYNC)
     separate = _run(tmp_path, tiny_model_dir, "separate", *ASYNC, "grpo.skip_prev_logprobs_when_on_policy=false")
     assert [fused[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
     for step in range(1, STEPS + 1):
@@ -123,9 +138,9 @@ def test_on_a_gpu_the_producer_generates_on_its_own_stream(tmp_path, tiny_model_
         assert {k: d0[step][k] for k in row} == row, f"step {step}: async d=0 differs from sync on CUDA"
 
 
-def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir):
+def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir, shared):
     overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC)
-    reference = _run(tmp_path, tiny_model_dir, "uninterrupted", *ASYNC)
+    reference, reference_dir = shared(*ASYNC)
     run_dir = tmp_path / "killed"
     argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides]
     sigkill_after_checkpoint(argv, run_dir / "checkpoints" / "step_2")
@@ -134,14 +149,13 @@ def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_di
     assert [(b["index"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)]
     assert all(len(b["keys"]) == 16 for b in saved["batches"])
     assert main(["train", "--run-dir", str(run_dir), *overrides]) == 0
-    resumed = _metrics(run_dir)
-    for step in range(3, STEPS + 1):
-        assert resumed[step] == reference[step], f"step {step} differs after resume"
+    # steps 1-2 of the killed process and 3-4 of the resumed one: what the uninterrupted run logged
+    assert _metrics(run_dir) == reference
     # the flight recorder's files too, for the steps trained on batches that were in flight (sample keys are fresh
     # per run; every other column, the text included, is the same)
     for step in range(3, STEPS + 1):
         name = f"rollouts/step_{step:06d}.parquet"
-        a, b = (pq.read_table(d / name).drop(["sample_key"]) for d in (tmp_path / "uninterrupted", run_dir))
+        a, b = (pq.read_table(d / name).drop(["sample_key"]) for d in (reference_dir, run_dir))
         assert a.equals(b), f"recorded rollouts of step {step} differ after resume"
 
 

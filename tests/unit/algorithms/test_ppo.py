@@ -28,7 +28,8 @@ from relayrl.algorithms.value_loss import MseValueLossFn
 from relayrl.config import ClippedPGLossConfig, MasterConfig, PPOAdvEstimatorConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from relayrl.experience.data import PromptDataset, PromptRecord, rl_collate_fn
+from relayrl.experience.data import PromptDataset, rl_collate_fn
+from relayrl.experience.records import PromptRecord
 from relayrl.models.policy.lm_policy import Policy
 from relayrl.models.value.lm_value import Value
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState

@@ -35,7 +35,7 @@ def test_one_class_is_the_default_task_several_are_routed_by_the_environment_col
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ({"cluster": {"executor": "ray"}}, "cluster.executor=local only"),
+        ({"grpo": {"async_grpo": {"enabled": True}}, "cluster": {"executor": "ray"}}, "executor=local only for now"),
         ({"env": {"environment_factory": "no_colon"}}, "must look like module:Class"),
         ({"env": {"environment_factory": {}}}, "empty mapping"),
         ({"env": {"tool_call_parser": "nope"}}, "must be 'hermes' or module:function"),
@@ -77,7 +77,8 @@ def test_classes_load_by_path_and_bad_ones_fail_before_any_model(tmp_path, monke
 
 
 def test_rows_are_routed_by_their_environment_column_and_keep_columns_and_conversation(char_tokenizer) -> None:
-    from relayrl.experience.data import PromptDataset, records_from_rows
+    from relayrl.experience.data import PromptDataset
+    from relayrl.experience.records import records_from_rows
 
     cfg = MasterConfig(env={"environment_factory": {"a": "m:A", "b": "m:B"}}, data={"system_prompt": "Be brief."})
     rows = [{"prompt": "1+1=", "environment": "a", "answer": "2"}, {"prompt": "2+2=", "environment": "b", "k": 3}]

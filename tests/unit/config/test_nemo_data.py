@@ -14,7 +14,7 @@ from relayrl.config import MasterConfig
 from relayrl.config.nemo_base import NemoLayoutError
 from relayrl.config.nemo_data import NAMED_DATASETS, nemo_prompt_template
 from relayrl.config.nemo_layout import translate_nemo_layout
-from relayrl.experience.data import load_records, records_from_rows
+from relayrl.experience.records import load_records, records_from_rows
 from tests.hf_cache import offline_cache, save_to_cache
 
 NEMO = {"policy": {"dtensor_cfg": {"enabled": True}}}  # marks the NeMo RL layout

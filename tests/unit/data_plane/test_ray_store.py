@@ -145,9 +145,23 @@ def test_a_wedged_store_ends_each_call_at_data_plane_call_timeout_s(ray_cluster:
             client.register_partition("train", ["reward"], 2, ["train"])
         assert time.monotonic() - start < 10
         assert str(err.value) == (
-            "ray data plane register_partition did not finish within 0.5s (data_plane.call_timeout_s)"
+            "ray data plane register_partition on partition 'train' did not finish within 0.5s "
+            "(data_plane.call_timeout_s)"
         )
     finally:
         os.kill(pid, signal.SIGCONT)
         client.close()
         owner.close()
+
+
+def test_a_ledger_call_is_named_with_its_partition() -> None:
+    """What a timed-out call's line says: the method and, where it takes one, the partition."""
+    from relayrl.data_plane.ledger import Ledger
+    from relayrl.data_plane.remote import call_name
+
+    assert call_name(Ledger.claim_meta, ("rollout", "train", ["x"], 4), {}) == "claim_meta on partition 'rollout'"
+    assert call_name(Ledger.register_partition, (), {"partition_id": "val", "fields": ["x"]}) == (
+        "register_partition on partition 'val'"
+    )
+    assert call_name(Ledger.close, (), {}) == "close"
+    assert call_name(Ledger.claim_meta, (1, 2, 3, 4, 5, 6, 7, 8, 9), {}) == "claim_meta"  # unbindable: the name alone

@@ -206,3 +206,16 @@ def test_registry_builds_math_and_rejects_unknown() -> None:
         build_environments(MasterConfig(), task_names=["other"])
     with pytest.raises(ValueError, match="already registered"):
         register_env("math", lambda cfg: MathEnvironment(cfg.math))
+
+
+def test_the_environments_of_a_process_share_one_verifier_child() -> None:
+    """Train and validation environments, and the next run's, talk to one child (each new one costs a second of CPU
+    importing sympy); an environment's shutdown leaves it to the next."""
+    first, second = MathEnvironment(MathEnvConfig()), MathEnvironment(MathEnvConfig())
+    assert first._verifier is second._verifier
+    assert _step(first, ["\\boxed{\\frac{1}{2}}"], ["0.5"]).rewards.tolist() == [1.0]
+    child = first._verifier._proc
+    assert child is not None and child.poll() is None
+    first.shutdown()
+    assert _step(second, ["\\boxed{0.25}"], ["1/4"]).rewards.tolist() == [1.0]
+    assert second._verifier._proc is child and child.poll() is None

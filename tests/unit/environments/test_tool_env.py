@@ -241,3 +241,28 @@ def test_a_fork_keeps_episodes_and_counters_of_its_own_and_shares_the_reward_fun
     assert "reward/used" not in envs["a"].rollout_metrics()
     mine = forks["a"].rollout_metrics()
     assert mine["env/tool_calls"] == 1 and mine["env/episodes"] == 1 and mine["reward/used"] == 1.0
+
+
+def test_an_environment_pickles_for_a_ray_actor_and_a_file_class_loads_again_elsewhere(tmp_path, monkeypatch) -> None:
+    """What a Ray rollout actor receives: the settings and the class (a `file.py:Class` entry: its absolute path,
+    loaded again in the receiving process, whatever its directory), never live episodes."""
+    import pickle
+
+    from relayrl.config import MasterConfig
+    from relayrl.environments.registry import build_tool_environments
+
+    (tmp_path / "envs.py").write_text("class Echo:\n    def reset(self, **row):\n        return 'hi'\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = MasterConfig(env={"environment_factory": "envs.py:Echo", "tool_timeout_s": 7})
+    env = build_tool_environments(cfg)["environment"]
+    payload = pickle.dumps(env)
+    (tmp_path / "envs.py").write_text("class Echo:\n    def reset(self, **row):\n        return 'again'\n")
+    monkeypatch.chdir("/")  # the actor's directory is not the driver's
+    there = pickle.loads(payload)
+    assert there.factory is not env.factory and there.tool_timeout_s == 7 and there.name == "Echo"
+    assert there.start_episodes([{"prompt": "p"}])[0].messages[0]["content"] == "p\n\nagain"  # the file, loaded there
+    given = pickle.loads(pickle.dumps(ToolEnvironment(Calculator, tool_timeout_s=3)))  # a class: sent as it is
+    assert given.factory is Calculator and set(given.schemas) == set(ToolEnvironment(Calculator).schemas)
+    env.start_episodes([{"prompt": "p"}])
+    with pytest.raises(TypeError, match="environment class Echo has live episodes"):
+        pickle.dumps(env)

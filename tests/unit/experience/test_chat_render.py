@@ -71,3 +71,26 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line(chatml_to
     with pytest.raises(ChatTemplateError, match="renders the conversation differently once a 'tool' message follows"):
         check_chat_template(other, TOOLS, {})
     check_chat_template(tok, TOOLS, {})  # the append-only template passes
+
+
+def test_prompts_render_and_tokenize_as_transformers_does(chatml_tokenizer) -> None:
+    """`render_prompts` asks a fast tokenizer's backend directly; the ids are transformers' own, and a backend that
+    carries truncation (which transformers would lift for the call) goes through transformers instead."""
+    import gc
+
+    from relayrl.experience.chat_render import render_prompts
+
+    conversations = [[{"role": "user", "content": f"{a}+{a * 7}="}] for a in range(2500)]
+    conversations[3] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <|im_end|>"}]
+    expected_texts = chatml_tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
+    expected_ids = chatml_tokenizer(expected_texts, add_special_tokens=False)["input_ids"]
+    chunks = list(render_prompts(chatml_tokenizer, conversations, chunk=1024))
+    assert [start for start, _, _ in chunks] == [0, 1024, 2048]
+    assert [t for _, texts, _ in chunks for t in texts] == expected_texts
+    assert [i for _, _, ids in chunks for i in ids] == expected_ids
+    assert gc.isenabled()  # the collector is back on after the build
+
+    truncating = copy.deepcopy(chatml_tokenizer)
+    truncating.backend_tokenizer.enable_truncation(max_length=4)
+    (_, texts, ids), *_ = render_prompts(truncating, conversations[:5])
+    assert ids == expected_ids[:5] and max(map(len, ids)) > 4  # transformers' call: truncation off, as asked

@@ -14,7 +14,8 @@ import torch
 
 from relayrl.config import MasterConfig
 from relayrl.experience.arithmetic import all_problems, split_problems
-from relayrl.experience.data import PromptDataset, build_dataloaders, build_datasets, load_records, rl_collate_fn
+from relayrl.experience.data import PromptDataset, build_dataloaders, build_datasets, rl_collate_fn
+from relayrl.experience.records import load_records
 
 ROWS = [
     {"prompt": "12+30=", "answer": "42"},

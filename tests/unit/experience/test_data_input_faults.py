@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from relayrl.config import DatasetConfig
-from relayrl.experience.data import read_rows, records_from_rows
+from relayrl.experience.records import read_rows, records_from_rows
 
 
 @pytest.mark.parametrize(

@@ -92,3 +92,28 @@ def test_enable_determinism_sets_torch_flags() -> None:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn_before
+
+
+@pytest.mark.parametrize("inductor_first", [False, True], ids=["fresh_process", "inductor_imported"])
+def test_deterministic_kernels_leave_torch_as_its_own_call_does(inductor_first: bool) -> None:
+    """A fresh process (a Ray rank, a CLI run) switches determinism on without importing torch._inductor, and
+    inductor, imported before or after, ends with `deterministic` set as `torch.use_deterministic_algorithms` would
+    leave it."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch\n"
+        + ("import torch._inductor.config\n" if inductor_first else "")
+        + "from relayrl.utils.device import apply_runtime_settings\n"
+        "apply_runtime_settings(deterministic=True)\n"
+        "imported = 'torch._inductor' in sys.modules\n"
+        "import torch._inductor.config as c\n"
+        "print(imported, torch.are_deterministic_algorithms_enabled(), c.deterministic,\n"
+        "      torch.is_deterministic_algorithms_warn_only_enabled())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(inductor_first), "True", "True", "False"]

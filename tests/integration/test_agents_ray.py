@@ -1,0 +1,278 @@
+"""Environment classes and served environments on the Ray executor (issue 26 item 5): the data-plane trainer's
+rollouts run in a Ray rollout actor, which builds its own instances of the class.
+
+A class given to `relayrl.train` travels by value (here: made by `exec`, as a class of `__main__` is); a
+`file.py:Class` entry is loaded again in the actor from its absolute path; a served environment (`env.openenv`) is
+made again there from its config. The same 2-step multi-turn run (2 training workers, a tool that times out on an
+odd answer, malformed calls) logs the same numbers on the local and the Ray executor. As in test_agents.py the
+shipped model's `\\boxed{N}` is read as a call of the class's `check` tool. Outside the suite (`-m slow`): the same
+comparison for the legacy GRPO trainer, PPO and a served environment's full run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import relayrl
+from relayrl.algorithms.setup import SetupError
+from relayrl.cli.main import main
+from relayrl.config import MasterConfig
+from relayrl.environments.registry import build_tool_environments
+from relayrl.experience.ray_rollout import receive_environments, ship_environments
+from relayrl.utils.config_io import load_config
+from tests.helpers import metrics_by_step
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+RAY_NUM_CPUS = 6  # the shared `ray_cluster` fixture (tests/conftest.py) reads it
+
+SMALL = {
+    "grpo.num_prompts_per_step": 2,
+    "grpo.num_generations_per_prompt": 2,
+    "policy.train_global_batch_size": 4,
+    "policy.train_micro_batch_size": 2,
+    "logger.progress_bar": False,
+    "grpo.max_num_steps": 2,
+    "grpo.max_rollout_turns": 2,
+    "grpo.val_at_start": False,
+    "grpo.val_period": 0,
+    "grpo.val_at_end": False,
+    "checkpointing.enabled": False,
+    "cluster.workers_per_node": 2,
+    "cluster.deterministic": True,
+    "env.tool_call_parser": "tests.integration.test_agents:boxed_as_call",
+    "env.tool_timeout_s": 1.0,  # far above a quick call's time on a busy machine: only the hung calls time out
+    "grpo.invalid_tool_call_advantage": -1.0,
+}
+
+USER_CLASS = '''
+import time
+
+class SlowChecker:
+    """Checks an answer against the row's; an odd one hangs past the tool deadline."""
+
+    def reset(self, answer, **row):
+        self.answer, self.checked = str(answer), []
+
+    def check(self, value: str) -> str:
+        """Check a candidate answer.
+
+        Args:
+            value: the candidate answer
+        """
+        self.checked.append(value)
+        if value[-1:] in "13579":
+            time.sleep(4.0)
+        return "correct" if value == self.answer else "wrong"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.answer in self.checked else 0.0
+'''
+
+
+def checks(prompts, completions, environments, **columns):
+    """A reward function reading the batch's environment instances (TRL's `environments=`)."""
+    return [0.5 * len(env.checked) for env in environments]
+
+
+def _by_value() -> type:
+    """The class as `__main__` would hold it: no importable module, so cloudpickle sends it by value."""
+    namespace: dict = {}
+    exec(compile(USER_CLASS, "<user script>", "exec"), namespace)
+    return namespace["SlowChecker"]
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """The same run on the local executor and on Ray (2 training workers each)."""
+    root = tmp_path_factory.mktemp("agents_ray")
+    os.environ["RELAYRL_REFIT_IPC_DIR"] = str(root)  # ZMQ IPC sockets private to this module
+    out = {}
+    try:
+        for executor in ("local", "ray"):
+            result = relayrl.train(
+                environment_factory=_by_value(),
+                reward_fns=[checks],
+                run_dir=root / executor,
+                overrides={**SMALL, "cluster.executor": executor},
+            )
+            out[executor] = result.run_dir
+        yield out
+    finally:
+        os.environ.pop("RELAYRL_REFIT_IPC_DIR", None)
+
+
+def test_a_multi_turn_run_on_ray_logs_the_local_executors_numbers(runs) -> None:
+    local, on_ray = metrics_by_step(runs["local"]), metrics_by_step(runs["ray"])
+    assert sorted(local) == sorted(on_ray) == [1, 2]
+    keys = ("train/reward", "train/loss", "train/grad_norm", "train/reward/checks", "train/avg_turns_per_sample")
+    keys += tuple(k for k in local[1] if k.startswith(("train/env/", "train/advantages/")) and "latency" not in k)
+    assert {"train/env/tool_calls", "train/env/tool_timeouts", "train/advantages/mean"} <= set(keys)
+    for step in (1, 2):
+        assert {k: on_ray[step][k] for k in keys} == {k: local[step][k] for k in keys}, step
+    total = {
+        k: sum(local[s][f"train/env/{k}"] for s in (1, 2))
+        for k in ("tool_calls", "tool_timeouts", "invalid_tool_calls")
+    }
+    assert total["tool_calls"] > 0 and total["invalid_tool_calls"] > 0  # the tool ran; malformed calls counted
+    assert 0 < total["tool_timeouts"] < total["tool_calls"]  # the deadline cut the odd answers' calls in the actor
+    # the flight recorder has the turns on Ray too: the same conversations, rewards and tool calls
+    recorded_calls = 0
+    for step in (1, 2):
+        rows = {
+            executor: pq.read_table(run / "rollouts" / f"step_{step:06d}.parquet").to_pylist()
+            for executor, run in runs.items()
+        }
+        same = ("prompt", "completion", "reward_env", "env_metadata", "turns")  # turns: role, tokens, calls, results
+        assert [{k: r[k] for k in same} for r in rows["ray"]] == [{k: r[k] for k in same} for r in rows["local"]]
+        recorded_calls += sum("tool_calls" in t for r in rows["ray"] for t in json.loads(r["turns"]))
+        calls = [len(json.loads(r["tool_latency_s"])) for r in rows["ray"]]
+        assert calls == [len(json.loads(r["tool_latency_s"])) for r in rows["local"]]
+        cut = [t for r in rows["ray"] for t in json.loads(r["tool_latency_s"]) if t >= 1.0]
+        assert cut == [1.0] * int(on_ray[step]["train/env/tool_timeouts"])  # a hung call cost its deadline, not 4 s
+    assert recorded_calls == total["tool_calls"]  # every call that ran, with its arguments and result
+
+
+def test_a_failing_reset_on_ray_ends_the_cli_run_with_one_line(ray_cluster, tmp_path, monkeypatch, capsys) -> None:
+    """A `file.py:Class` entry (relative to the driver's directory) is loaded in the rollout actor; its `reset`
+    raising there ends the run with the local executor's line, naming the class and the row."""
+    (tmp_path / "bad_env.py").write_text(
+        USER_CLASS.replace("SlowChecker", "Picky").replace(
+            "self.answer, self.checked = str(answer), []",
+            "self.answer, self.checked = str(1 // (int(answer) - 50)), []",
+        )
+    )
+    data = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(48, 56)]  # answer 50 divides by zero: row 2
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    argv = ["train", "--run-dir", "run", "env.environment_factory=bad_env.py:Picky", "data.shuffle=false"]
+    argv += ["data.train.source=file", "data.train.path=data.jsonl", "cluster.executor=ray"]
+    argv += [f"{k}={v}" for k, v in {**SMALL, "cluster.workers_per_node": 1}.items()]  # fewer actors to start
+    assert main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("relayrl")]
+    assert len(err) == 1, err
+    assert "environment class Picky.reset failed on dataset row 2: ZeroDivisionError: integer division" in err[0]
+
+
+def test_a_class_the_actor_cannot_load_is_refused_before_the_model_loads(ray_cluster, tmp_path, monkeypatch) -> None:
+    """A class of a module only the driver can import (its directory is on the driver's sys.path alone) and a class
+    that does not pickle: one line each, naming the class and the fix, before any model or worker starts."""
+    (tmp_path / "private_envs.py").write_text(USER_CLASS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import private_envs  # type: ignore[import-not-found]
+
+    namespace: dict = {}
+    exec(USER_CLASS + "\nimport threading\n\nclass Locked(SlowChecker):\n    guard = threading.Lock()\n", namespace)
+    try:
+        for cls, problem in (
+            (private_envs.SlowChecker, "cannot be rebuilt in the Ray rollout actor: ModuleNotFoundError: No module"),
+            (namespace["Locked"], "cannot be sent to the Ray rollout actor: TypeError: cannot pickle"),
+        ):
+            with pytest.raises(SetupError) as err:
+                relayrl.train(
+                    environment_factory=cls,
+                    run_dir=tmp_path / cls.__name__,
+                    overrides={**SMALL, "cluster.executor": "ray"},
+                )
+            line = str(err.value)
+            assert "\n" not in line and line.startswith(f"environment class {cls.__name__} {problem}"), line
+            assert "env.environment_factory=file.py:Class" in line
+            assert not (tmp_path / cls.__name__ / "config.yaml").exists()  # written once the model has loaded
+    finally:
+        sys.modules.pop("private_envs", None)
+
+
+def play_served(envs: tuple, cfg: MasterConfig) -> dict:
+    """In a Ray worker: receive the environments as the rollout actor does, play two episodes on the server."""
+    from tests.integration.test_served_env import _call
+
+    env = receive_environments(envs, cfg)["environment"]
+    rows = [{"row": k + 1, "prompt": "Find it.", "columns": {"answer": a}} for k, a in enumerate(("4", "9"))]
+    metas = [s.metadata for s in env.start_episodes(rows)]
+    ret = env.step([_call("3"), _call("9")], metas)  # row 1 wrong, row 2 right: the server says done
+    end = env.end_episodes([_call("3")], [ret.metadata[0]])
+    return {
+        "pid": os.getpid(),
+        "tools": [o.get("chat") for o in ret.observations],
+        "rewards": ret.rewards.tolist() + end.rewards.tolist(),
+        "done": ret.terminateds.tolist(),
+        "metrics": env.rollout_metrics(),
+    }
+
+
+def test_a_served_environment_from_the_config_plays_in_a_ray_worker(ray_cluster) -> None:
+    """`env.openenv` on Ray: the served environment built from the config is sent as the rollout actor gets it and
+    made again in a Ray worker, which plays episodes against the real OpenEnv server on loopback."""
+    pytest.importorskip("openenv")
+    from tests.integration.test_served_env import Served
+
+    server = Served()
+    try:
+        keys = {
+            "base_url": server.url,
+            "action": "tests.integration.test_served_env:Guess",
+            "reset_columns": "[answer]",
+        }
+        cfg = load_config(None, [f"env.openenv.{k}={v}" for k, v in keys.items()] + ["cluster.executor=ray"])
+        envs = ship_environments(build_tool_environments(cfg, None, None))
+        out = ray.get(ray.remote(num_cpus=0)(play_served).remote(envs, cfg), timeout=60)
+    finally:
+        server.stop()
+    assert out["pid"] != os.getpid()
+    assert out["tools"] == [[{"role": "tool", "name": "step", "content": c}] for c in ("wrong", "correct")]
+    assert out["done"] == [False, True] and out["rewards"] == [0.0, 1.0, 0.0]  # the server's rewards
+    m = out["metrics"]
+    assert (m["env/episodes"], m["env/tool_calls"], m["env/server_errors"]) == (2, 2, 0)
+
+
+def _same_numbers(root: Path, overrides: dict, **given) -> dict[str, float]:
+    """Run `overrides` on both executors; assert every reward, loss, env count and advantage is equal; the counts."""
+    steps = {}
+    for executor in ("local", "ray"):
+        run = relayrl.train(run_dir=root / executor, overrides={**overrides, "cluster.executor": executor}, **given)
+        steps[executor] = metrics_by_step(run.run_dir)
+    local, on_ray = steps["local"], steps["ray"]
+    words = ("reward", "loss", "grad_norm", "env/", "advantages/", "critic/")
+    keys = [k for k in local[1] if any(w in k for w in words) and "latency" not in k]
+    assert sorted(local) == sorted(on_ray) == [1, 2] and "train/env/episodes" in keys
+    for step in (1, 2):
+        assert {k: on_ray[step][k] for k in keys} == {k: local[step][k] for k in keys}, step
+    return {k: sum(local[s][k] for s in (1, 2)) for k in keys if k.startswith("train/env/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["legacy", "ppo", "served"])
+def test_other_trainers_and_a_served_run_on_ray_log_the_local_numbers(ray_cluster, tmp_path, monkeypatch, trainer):
+    """Beside the suite (`-m slow`, ~40 s each): the legacy GRPO trainer (its rollouts stay in the driver), PPO on
+    the data plane (its rollout actor on Ray) and a served environment's 2-step run on Ray, each against the local
+    executor."""
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    if trainer == "served":
+        pytest.importorskip("openenv")
+        from tests.integration.test_served_env import SMALL as SERVED
+        from tests.integration.test_served_env import Served
+
+        server = Served(intro="")
+        try:
+            keys = {**SERVED, "env.openenv.reset_columns": ["answer"], "env.openenv.base_url": server.url}
+            keys |= {k: v for k, v in SMALL.items() if k.startswith(("cluster.", "policy.train_micro", "checkpoint"))}
+            counts = _same_numbers(tmp_path, keys)
+        finally:
+            server.stop()
+        assert counts["train/env/tool_calls"] > 0 and counts["train/env/server_errors"] == 0
+        return
+    overrides = {**SMALL, "data_plane.enabled": False} if trainer == "legacy" else {}
+    if trainer == "ppo":
+        overrides = {k.replace("grpo.", "ppo."): v for k, v in SMALL.items() if "invalid_tool_call" not in k}
+        overrides |= {"algorithm": "ppo", "value.train_global_batch_size": 4, "value.train_micro_batch_size": 2}
+    counts = _same_numbers(tmp_path, overrides, environment_factory=_by_value(), reward_fns=[checks])
+    assert counts["train/env/tool_calls"] > 0 and counts["train/env/tool_timeouts"] > 0
