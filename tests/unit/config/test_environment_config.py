@@ -32,10 +32,23 @@ def test_one_class_is_the_default_task_several_are_routed_by_the_environment_col
     assert given.data.train.default_task == "math"  # a key the user set wins
 
 
+#: What async GRPO on Ray needs besides (dedicated generation workers), so that only the environment is refused.
+ASYNC_ON_RAY_GENERATION = {
+    "generation": {"colocated": {"enabled": False, "resources": {"num_nodes": 1, "workers_per_node": 1}}}
+}
+
+
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        ({"grpo": {"async_grpo": {"enabled": True}}, "cluster": {"executor": "ray"}}, "executor=local only for now"),
+        (
+            {
+                "grpo": {"async_grpo": {"enabled": True}},
+                "cluster": {"executor": "ray"},
+                "policy": ASYNC_ON_RAY_GENERATION,
+            },
+            "executor=local only for now",
+        ),  # fmt: skip
         ({"env": {"environment_factory": "no_colon"}}, "must look like module:Class"),
         ({"env": {"environment_factory": {}}}, "empty mapping"),
         ({"env": {"tool_call_parser": "nope"}}, "must be 'hermes' or module:function"),
