@@ -25,6 +25,7 @@ from relayrl.algorithms.protocols import (
 )
 from relayrl.config import MasterConfig
 from relayrl.environments.interfaces import EnvironmentInterface
+from relayrl.environments.registry import shutdown_all
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
 from relayrl.utils.dir_lock import DirLock
 from relayrl.utils.logger import Logger
@@ -60,15 +61,18 @@ class RunComponents(Generic[PolicyT, ValueT]):
 
     def close(self) -> None:
         """Release everything `setup` built, in the order the store needs (every user of it: run, replay, bench)."""
-        self.logger.close()
-        self.policy_generation.shutdown()
-        if self.value is not None:
-            self.value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
-        self.policy.shutdown()
-        for env in self.task_to_env.values():
-            env.shutdown()
-        for lock in self.run_locks or ():
-            lock.release()
+        try:
+            self.logger.close()
+            self.policy_generation.shutdown()
+            if self.value is not None:
+                self.value.shutdown()  # the critic's client is attached to the store the policy owns: close it first
+            self.policy.shutdown()
+        finally:  # whatever failed above, the environments' open episodes (served sessions) are closed
+            try:
+                shutdown_all([*self.task_to_env.values(), *(self.val_task_to_env or {}).values()])
+            finally:
+                for lock in self.run_locks or ():
+                    lock.release()
 
 
 class LegacyComponents(RunComponents[Policy, Value]):

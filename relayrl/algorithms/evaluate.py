@@ -11,7 +11,12 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
     """Load `checkpoint` (a `step_N/` directory or a Hugging Face model directory) and run validation."""
     from relayrl.algorithms.setup import load_tokenizer
     from relayrl.algorithms.validation import validate
-    from relayrl.environments.registry import build_environments, build_reward_fn_env, build_tool_environments
+    from relayrl.environments.registry import (
+        build_environments,
+        build_reward_fn_env,
+        build_tool_environments,
+        shutdown_all,
+    )
     from relayrl.experience.data import build_dataloaders
     from relayrl.models.generation.hf_generation import HfGeneration
     from relayrl.models.policy.lm_policy import Policy
@@ -52,6 +57,9 @@ def evaluate_checkpoint(cfg: MasterConfig, checkpoint: Path) -> dict[str, object
         generation.prepare_for_generation()
         metrics, _ = validate(generation, val_dataloader, tokenizer, envs, step=0, master_config=cfg, logger=None)
     finally:
-        generation.shutdown()
-        policy.shutdown()
+        try:
+            generation.shutdown()
+            policy.shutdown()
+        finally:
+            shutdown_all(envs.values())
     return {**metrics, "checkpoint": str(checkpoint)}

@@ -10,9 +10,11 @@ samples; each batch's partition retired after its step; checkpoints that drain a
 (`async_state.py`; the batches' rows in the checkpoint's data-plane store with `checkpointing.save_data_plane`), so
 a resume logs what the uninterrupted run logs.
 
-This module builds what the producer generates with (`ProducerSide`, per executor), restores a checkpoint's
-batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where the producer generates and how
-it shares workers with validation: docs/design.md.
+This module builds what the producer generates with (`ProducerSide`, per executor: locally with a copy of the
+environments of its own, since validation rolls out on the trainer's thread at the same time; environment classes'
+episodes then live in the producer, and the batches in flight at a checkpoint come back from it with their rows and
+counts), restores a checkpoint's batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where
+the producer generates and how it shares workers with validation: docs/design.md.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from relayrl.algorithms.runner import LoopParts, run_loop
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.algorithms.validation import Envs, sync_validator
 from relayrl.config import GenerationConfig, MasterConfig
+from relayrl.environments.registry import fork_environments
 from relayrl.experience.flight_recorder import import_rows
 from relayrl.experience.ray_rollout import RayRolloutActor, rollout_actor_cls
 from relayrl.utils.checkpoint import CheckpointManager, GRPOSaveState
@@ -96,8 +99,15 @@ def _producer_side(
             torch.cuda.current_stream(device).synchronize()
         return weights
 
-    local = actor_cls(engine, tokenizer, task_to_env, cfg, cfg.data_plane)
-    return ProducerSide(engine, local, local.client, clone_live, pin=pin)
+    # environments of their own: validation rolls out on the trainer's thread while the producer rolls out on its own
+    envs = fork_environments(task_to_env)
+    own = [env for env in envs.values() if all(env is not shared for shared in task_to_env.values())]
+    try:
+        local = actor_cls(engine, tokenizer, envs, cfg, cfg.data_plane)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return ProducerSide(engine, local, local.client, clone_live, pin=pin, envs=own)
 
 
 def _local_engine(
@@ -154,7 +164,8 @@ def grpo_train_async(
     cfg = master_config
     if not (cfg.data_plane.enabled and cfg.grpo.async_grpo.enabled):
         raise ValueError("grpo_train_async needs data_plane.enabled=true and grpo.async_grpo.enabled=true")
-    raise_if_message_level_advantage_penalties_enabled(cfg)
+    if cfg.cluster.executor == "ray":  # the local producer's rows carry the per-token penalties; Ray's is untested
+        raise_if_message_level_advantage_penalties_enabled(cfg)
 
     timer = Timer()
     val_actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)

@@ -376,8 +376,9 @@ class GRPOSyncSteps:
 
 def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
     """Raise NotImplementedError naming the message-level advantage penalty keys set (`grpo.invalid_tool_call_advantage`,
-    `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings). Asynchronous GRPO calls it: its
-    producer's rows do not carry the per-token overrides the synchronous trainers (legacy and data-plane) apply."""
+    `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings): the reference's refusal on its
+    asynchronous trainer. Here asynchronous GRPO on the local executor applies them (its producer's rows carry the
+    per-token overrides, as the synchronous trainers' do); on Ray it still refuses them."""
     keys = message_level_advantage_keys(master_config)
     if keys:
         names = ", ".join(keys)

@@ -18,7 +18,7 @@ import contextlib
 import json
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.data_plane.schema import REFERENCE_POLICY_LOGPROBS
 from relayrl.distributed.batched_data_dict import BatchedDataDict
+from relayrl.environments.interfaces import EnvironmentInterface
+from relayrl.environments.registry import shutdown_all
 from relayrl.experience.flight_recorder import RecordRequest, export_rows
 from relayrl.experience.ray_rollout import RayRolloutActor
 from relayrl.utils.logger import Logger
@@ -68,14 +70,19 @@ class ProducerSide:
     pin: PinnedSource | None = None  # local: the private engine's model source
     ray_actor: RayRolloutActor | None = None  # Ray: the same actor, with its flight-recorder rows out of process
     own_client: bool = False
+    envs: list[EnvironmentInterface] = field(default_factory=list)  # local: the producer's own environment copies
 
     def shutdown(self) -> None:
+        """Release the engine, the actor and the environments (their episodes still open: a run that failed)."""
         try:
             self.actor.shutdown()
             self.engine.shutdown()
         finally:
-            if self.own_client:
-                self.client.close()
+            try:
+                shutdown_all(self.envs)
+            finally:
+                if self.own_client:
+                    self.client.close()
 
 
 class ProducerSource:

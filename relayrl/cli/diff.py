@@ -39,7 +39,7 @@ def is_timed(name: str) -> bool:
     """Metrics of wall-clock time or rates over it: they differ between identical runs."""
     return (
         name.startswith(("timing/", "performance/", "refit/"))
-        or name.endswith(("tokens_per_sec", "_time", "share_of_step"))
+        or name.endswith(("tokens_per_sec", "_time", "share_of_step", "latency_s"))  # latency_s: tool calls
         or "/ms_" in name
         or "_ms" in name.rsplit("/", 1)[-1]
     )

@@ -41,8 +41,8 @@ PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, ADVANTAGE_OVERRIDE, GENER
 """Every field a step's (or validation batch's) partition may hold: the train fields, the per-token penalties a
 rollout writes when message-level advantage penalties are set, and the sampler's kept sets when sampling filters."""
 
-ASYNC_PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, GENERATION_SUPPORT)
-"""What an asynchronous producer's partitions declare: the train fields and the sampler's kept sets."""
+ASYNC_PARTITION_FIELDS: tuple[str, ...] = (*DP_TRAIN_FIELDS, ADVANTAGE_OVERRIDE, GENERATION_SUPPORT)
+"""What an asynchronous producer's partitions declare: as a step's (`PARTITION_FIELDS`)."""
 
 LP_SEED_FIELDS: tuple[str, ...] = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK)
 """What a log-prob worker (policy or reference) fetches."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -45,6 +46,12 @@ class EnvironmentInterface(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, most environments hold nothing
         """Release worker pools, if any."""
+
+    def fork(self, fork: Callable[[EnvironmentInterface], EnvironmentInterface]) -> EnvironmentInterface:
+        """This environment for rollouts that run on another thread at the same time (asynchronous GRPO's producer
+        beside validation): one that keeps state between calls (episodes, counters reported by `rollout_metrics`)
+        returns a fresh copy, forking the environments it holds with `fork`; one that keeps none returns itself."""
+        return self
 
 
 class EpisodeStart(NamedTuple):

@@ -161,6 +161,33 @@ def create_task_to_env(task_names: Iterable[str], cfg: EnvConfig | None = None) 
     return {name: create_env(name, cfg) for name in dict.fromkeys(task_names)}
 
 
+def fork_environments(task_to_env: dict[str, EnvironmentInterface]) -> dict[str, EnvironmentInterface]:
+    """`task_to_env` for rollouts on another thread at the same time (`EnvironmentInterface.fork`): one copy per
+    environment object, so tasks (and environment classes) that share one, e.g. the reward functions, share its
+    copy as they share it here."""
+    copies: dict[int, EnvironmentInterface] = {}
+
+    def fork(env: EnvironmentInterface) -> EnvironmentInterface:
+        if id(env) not in copies:
+            copies[id(env)] = env.fork(fork)
+        return copies[id(env)]
+
+    return {task: fork(env) for task, env in task_to_env.items()}
+
+
+def shutdown_all(envs: Iterable[EnvironmentInterface]) -> None:
+    """`shutdown()` every environment (each object once), even when one of them raises (the first error is raised
+    after the rest are shut down): a failed run still closes the instances and sessions of the others."""
+    error: BaseException | None = None
+    for env in {id(e): e for e in envs}.values():
+        try:
+            env.shutdown()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the others are shut down
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 def build_environments(
     cfg: MasterConfig,
     task_names: Iterable[str] = (),

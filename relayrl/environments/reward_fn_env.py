@@ -16,6 +16,7 @@ applies); None is "does not apply to this row" and counts 0.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import math
@@ -106,6 +107,12 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         self.timeout_s = timeout_s  # per function call on a batch (env.reward_timeout_s)
         self._sums = {name: 0.0 for name, _ in self.fns}  # per function: sum and count of its values since
         self._counts = {name: 0 for name, _ in self.fns}  # the last `rollout_metrics`
+
+    def fork(self, fork: Callable[[EnvironmentInterface], EnvironmentInterface]) -> EnvironmentInterface:
+        """The same functions with counters of their own (`reward/<name>` of another thread's rollouts)."""
+        twin = copy.copy(self)
+        twin._sums, twin._counts = dict.fromkeys(self._sums, 0.0), dict.fromkeys(self._counts, 0)
+        return twin
 
     def step(self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any] | None]) -> EnvironmentReturn:
         """Call every function once on the batch; reward = weighted sum, observation `Reward: <r>`."""

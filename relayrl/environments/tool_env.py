@@ -138,6 +138,16 @@ class ToolEnvironment(EnvironmentInterface):
             self.factory = self.source()  # e.g. the file loaded again, in this process
         self._fresh_state()
 
+    def fork(self, fork: Callable[[EnvironmentInterface], EnvironmentInterface]) -> EnvironmentInterface:
+        """The same class and settings with episodes and counters of their own (and its reward functions forked)."""
+        twin = object.__new__(type(self))  # not copy.copy: that would pickle (reload a file class) via __getstate__
+        twin.__dict__.update(self.__dict__)
+        scorer = None if self.reward_fns is None else fork(self.reward_fns)
+        assert scorer is None or isinstance(scorer, RewardFunctionEnvironment)
+        twin.reward_fns = scorer
+        twin._fresh_state()
+        return twin
+
     # ------------------------------------------------------------------ episodes
     def start_episodes(self, metadata: list[dict[str, Any] | None]) -> list[EpisodeStart]:
         """One instance per row, reset with the row's columns; the prompt conversation gains the text it returns."""
@@ -146,20 +156,11 @@ class ToolEnvironment(EnvironmentInterface):
             meta = dict(meta or {})
             where = f"dataset row {meta['row']}" if meta.get("row") is not None else f"batch row {k}"
             env = self._user_call(self.factory, "()", where)
-            reset = getattr(env, "reset", None)  # optional: a class without one starts every episode as it is
-            failed = None
             try:
-                text = (
-                    self._user_call(reset, ".reset", where, **_reset_kwargs(reset, meta)) if callable(reset) else None
-                )
-            except EnvironmentClassError as exc:
-                if not isinstance(exc.__cause__, ServerError):
-                    raise
-                text, failed = None, self._server_failure(where, str(exc.__cause__))
-            if text is not None and not isinstance(text, str):
-                raise EnvironmentClassError(
-                    f"{self.name}.reset returned a {type(text).__name__} on {where}; return a str or None"
-                )
+                text, failed = self._reset(env, meta, where)
+            except BaseException:  # the run ends: the instance (a served session) is closed first
+                _close(_Episode(env, where))
+                raise
             with self._lock:
                 episode = next(self._ids)
                 self._episodes[episode] = _Episode(env, where, failed)
@@ -170,6 +171,21 @@ class ToolEnvironment(EnvironmentInterface):
             self._counts["episodes"] += 1
             starts.append(EpisodeStart(messages, self.tools, self.template_kwargs, {**meta, "episode": episode}))
         return starts
+
+    def _reset(self, env: Any, meta: dict[str, Any], where: str) -> tuple[str | None, str | None]:
+        """(text for the first prompt, the server failure that already ended the episode) of a fresh instance."""
+        reset = getattr(env, "reset", None)  # optional: a class without one starts every episode as it is
+        try:
+            text = self._user_call(reset, ".reset", where, **_reset_kwargs(reset, meta)) if callable(reset) else None
+        except EnvironmentClassError as exc:
+            if not isinstance(exc.__cause__, ServerError):
+                raise
+            return None, self._server_failure(where, str(exc.__cause__))
+        if text is not None and not isinstance(text, str):
+            raise EnvironmentClassError(
+                f"{self.name}.reset returned a {type(text).__name__} on {where}; return a str or None"
+            )
+        return text, None
 
     def step(self, message_log_batch: list[MessageLog], metadata: list[dict[str, Any] | None]) -> EnvironmentReturn:
         """Run the tool calls of every reply; a reply without calls ends its episode with its final reward."""

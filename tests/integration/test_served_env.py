@@ -5,7 +5,8 @@ The server's environment is a guessing game: `reset(answer=...)` hides the row's
 `Guess(value=...)` answers `correct` (reward 1, done) or `wrong`. A guess `slow` makes the server sleep past the
 client's deadline. What is asserted: the observation texts become the first prompt and the tool messages, the
 server's reward and done end the episode with its reward, and a server that times out or is gone ends the run with
-one line (`env.on_server_error=fail`) or the episode with a counted failure (`count`).
+one line (`env.on_server_error=fail`) or the episode with a counted failure (`count`), leaving no session open; and
+asynchronous GRPO plays it as the synchronous trainer does.
 """
 
 from __future__ import annotations
@@ -45,16 +46,23 @@ class Feedback(Observation):
 
 class GuessGame(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True
+    sessions: set[int] = set()  # ids of the games of sessions still open (the server closes a game with its session)
 
     def __init__(self, intro: str = "Guess the number.") -> None:
         super().__init__()
         self.intro = intro
         self._state = State(episode_id="none", step_count=0)
         self.target = ""
+        GuessGame.sessions.add(id(self))
 
     def reset(self, seed=None, episode_id=None, answer="", **kwargs) -> Feedback:  # noqa: ANN001
+        if answer == "refuse":
+            raise RuntimeError("no such game")
         self.target, self._state = str(answer), State(episode_id=episode_id or "episode", step_count=0)
         return Feedback(text=self.intro, reward=0.0)
+
+    def close(self) -> None:
+        GuessGame.sessions.discard(id(self))
 
     def step(self, action: Guess, timeout_s=None, **kwargs) -> Feedback:  # noqa: ANN001
         self._state.step_count += 1
@@ -160,6 +168,20 @@ def test_a_server_past_its_timeout_fails_the_run_or_the_episode(server) -> None:
     assert counted.rollout_metrics()["env/server_errors"] == 1
 
 
+def test_a_failing_reset_ends_the_run_and_leaves_no_session_open(server) -> None:
+    """The server refuses row 1's reset: the run ends with one line, the session that reset opened is closed at
+    once, and the one of row 0 (its episode still open) when the environment shuts down, as the trainers do."""
+    open_before = set(GuessGame.sessions)
+    env = _env(server.url)
+    with pytest.raises(ServedEnvironmentError, match=r"failed on dataset row 1: reset failed: .*no such game"):
+        env.start_episodes(_rows("4", "refuse"))
+    env.shutdown()
+    deadline = time.monotonic() + 10  # the server closes a game once it has seen its session's end
+    while GuessGame.sessions != open_before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert GuessGame.sessions == open_before
+
+
 def test_a_server_that_dies_fails_the_run_or_the_episode() -> None:
     doomed = Served()
     env = _env(doomed.url, on_server_error="count")
@@ -202,11 +224,21 @@ def boxed_as_guess(text: str) -> list[dict]:
 def test_the_cli_trains_2_steps_on_a_served_environment(tmp_path, capsys) -> None:
     server = Served(intro="")  # the shipped model answers only the bare arithmetic prompt with \\boxed{N}
     argv = ["train", "--run-dir", str(tmp_path / "run"), f"env.openenv.base_url={server.url}"]
+    # asynchronous GRPO too: its producer plays the episodes on the same server; with d = 0 it logs what the
+    # synchronous data-plane trainer logs
+    on_async = ["train", "--run-dir", str(tmp_path / "async"), f"env.openenv.base_url={server.url}"]
+    on_async += ["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=0"]
+    on_async += ["grpo.async_grpo.generator=thread"]
     try:
         assert main(argv + [f"{k}={v}" for k, v in SMALL.items()]) == 0
+        assert main(on_async + [f"{k}={v}" for k, v in SMALL.items()]) == 0
     finally:
         server.stop()
-    steps = metrics_by_step(tmp_path / "run", skip=("per_sec", "latency", "timing"))
+    skip = ("per_sec", "latency", "timing", "bytes", "fraction")  # clocks, rates and byte counters
+    steps, d0 = (metrics_by_step(tmp_path / name, skip=skip) for name in ("run", "async"))
+    assert sorted(d0) == sorted(steps) == [1, 2]
+    for step, m in steps.items():
+        assert {k: d0[step][k] for k in m} == m, f"step {step}: async d=0 differs from sync on a served environment"
     assert sorted(steps) == [1, 2]
     for m in steps.values():
         assert m["train/env/episodes"] == 4 and m["train/env/server_errors"] == 0

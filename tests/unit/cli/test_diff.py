@@ -10,9 +10,16 @@ from relayrl.cli.diff import first_metric_divergence, is_timed, same
 def test_timed_metrics_are_not_compared():
     for name in ("timing/train/total_step_time", "performance/samples_per_sec", "train/valid_tokens_per_sec",
                  "data_plane/get/ms_total", "refit/ms_per_mb", "data_plane/all/get/ms_p90",
-                 "data_plane/share_of_step", "data_plane/all/checksum/cpu_ms"):  # fmt: skip
+                 "data_plane/share_of_step", "data_plane/all/checksum/cpu_ms", "train/env/tool_latency_s",
+                 "validation/env/search/tool_latency_s"):  # fmt: skip
         assert is_timed(name), name
-    for name in ("train/loss", "train/driver_bytes", "validation/accuracy", "data_plane/put/bytes"):
+    for name in (
+        "train/loss",
+        "train/driver_bytes",
+        "validation/accuracy",
+        "data_plane/put/bytes",
+        "train/env/tool_calls",
+    ):
         assert not is_timed(name), name
 
 

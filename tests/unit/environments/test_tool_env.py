@@ -195,6 +195,54 @@ def test_reset_and_get_reward_failures_end_the_run_with_one_line_naming_class_an
         env.step([_reply("done")], metas)
 
 
+class Closing(Calculator):
+    closed: list[int] = []
+
+    def close(self) -> None:
+        Closing.closed.append(self.target)
+
+
+def test_an_instance_whose_reset_failed_is_closed_and_shutdown_closes_open_episodes() -> None:
+    class FailingReset(Closing):
+        def reset(self, target: int, **row: object) -> str | None:
+            self.target = int(target)
+            if target == 7:
+                raise RuntimeError("cannot start")
+            return None
+
+    Closing.closed = []
+    env = ToolEnvironment(FailingReset)
+    with pytest.raises(EnvironmentClassError, match="FailingReset.reset failed on dataset row 3"):
+        env.start_episodes(_episode_rows([1, 2, 7, 8]))
+    assert Closing.closed == [7]  # the served session it may have opened is released; row 4 was never made
+    env.shutdown()  # the run ends: the episodes it started are closed too
+    assert sorted(Closing.closed) == [1, 2, 7]
+
+
+def test_a_fork_keeps_episodes_and_counters_of_its_own_and_shares_the_reward_functions_copy() -> None:
+    """The async producer's copy (`fork_environments`): counts of one side's rollouts never reach the other's
+    metrics; two classes sharing reward functions share one copy of them, as they share the original."""
+    from relayrl.environments.registry import fork_environments
+
+    def used(prompts, completions, environments, **columns):
+        return [float(len(e.calls)) for e in environments]
+
+    scorer = RewardFunctionEnvironment([used])
+    envs = {"a": ToolEnvironment(Calculator, reward_fns=scorer), "b": ToolEnvironment(Closing, reward_fns=scorer)}
+    envs["reward_fns"] = scorer
+    forks = fork_environments(envs)
+    assert all(forks[t] is not envs[t] for t in envs)
+    assert forks["a"].reward_fns is forks["b"].reward_fns is forks["reward_fns"]
+    assert forks["a"].factory is Calculator and forks["a"].schemas == envs["a"].schemas
+    metas = [s.metadata for s in forks["a"].start_episodes(_episode_rows([99]))]
+    ret = forks["a"].step([_reply('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')], metas)
+    forks["a"].step([_reply("3")], ret.metadata)
+    assert not envs["a"]._episodes and envs["a"].rollout_metrics()["env/tool_calls"] == 0
+    assert "reward/used" not in envs["a"].rollout_metrics()
+    mine = forks["a"].rollout_metrics()
+    assert mine["env/tool_calls"] == 1 and mine["env/episodes"] == 1 and mine["reward/used"] == 1.0
+
+
 def test_an_environment_pickles_for_a_ray_actor_and_a_file_class_loads_again_elsewhere(tmp_path, monkeypatch) -> None:
     """What a Ray rollout actor receives: the settings and the class (a `file.py:Class` entry: its absolute path,
     loaded again in the receiving process, whatever its directory), never live episodes."""
