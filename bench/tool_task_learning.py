@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.run_dir.exists():
         p.error(f"--run-dir {args.run_dir} exists; give a new directory")
+    args.run_dir = args.run_dir.resolve()  # the run starts in the repository root
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, "-m", "relayrl.cli.main", "train", "--config", str(CONFIG), "--run-dir", str(args.run_dir)]
     cmd += ["logger.progress_bar=false", *args.overrides]
