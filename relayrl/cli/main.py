@@ -79,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     pa.add_argument("overrides", nargs="*")
 
     pl = sub.add_parser(
-        "plot", help="PNG of reward, accuracy, KL, loss, length and step time vs step, and each step's time by phase"
+        "plot",
+        help="PNG of reward, accuracy, KL, loss, length and step time vs step (with environment classes: tool-call "
+        "validity, turns per episode, tool latency), and each step's time by phase",
     )
     pl.add_argument("run_dir")
     pl.add_argument("--out", help="output PNG (default: RUN_DIR/metrics.png)")

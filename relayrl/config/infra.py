@@ -11,14 +11,15 @@ from relayrl.config.base import DURATION_PATTERN, NonNegFloat, NonNegInt, Strict
 
 # ---------------------------------------------------------------------------------------------------- data / env
 class ArithmeticConfig(Strict):
-    """The built-in task: `a+b` / `a-b` with operands in [min_operand, max_operand]."""
+    """The built-in task: `a+b` / `a-b` (and `a*b`, the tool-use task's) with operands in [min_operand, max_operand]."""
 
     min_operand: NonNegInt = 10
     """Smallest operand (inclusive); must not exceed max_operand."""
     max_operand: NonNegInt = 99
     """Largest operand (inclusive); every pair of operands in range is a problem."""
-    operations: list[Literal["+", "-"]] = ["+", "-"]
-    """Operations to generate problems for (non-empty, no duplicates)."""
+    operations: list[Literal["+", "-", "*"]] = ["+", "-"]
+    """Operations to generate problems for (non-empty, no duplicates); `*` is the tool-use task's
+    (`relayrl.environments.calculator`), which the shipped tiny-arith model was never taught."""
     num_val_problems: PositiveInt = 200
     """Held out by a fixed seed; the shipped model never saw them in its warm start."""
 

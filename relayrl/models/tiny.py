@@ -39,6 +39,24 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+# The tool-use model's template (`relayrl/assets/tiny-calc`): the same messages, plus the tools as one short system
+# line (`<|system|>multiply(a,b)<|end|>`: a character model pays a token per character, so no JSON schema), an
+# assistant's `tool_calls` as compact `<tool_call>{"name":...,"arguments":{...}}</tool_call>` blocks (the Hermes
+# format the default parser reads), and a `tool` message as an `<|environment|>` turn. It only appends: a message
+# added never changes how the earlier ones render, so rollouts can feed observations token-in/token-out.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "{{ f.name }}({{ f.parameters.properties | list | join(',') }}){% if not loop.last %} {% endif %}{% endfor %}"
+    "<|end|>{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|environment|>{{ message.content }}<|end|>"
+    "{%- else %}<|{{ message.role }}|>{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}{% set c = call.function if call.function is defined else call %}"
+    '<tool_call>{"name":{{ c.name | tojson }},"arguments":'
+    "{{ c.arguments if c.arguments is string else c.arguments | tojson(separators=(',', ':')) }}}</tool_call>"
+    "{%- endfor %}<|end|>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:

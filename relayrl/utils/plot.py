@@ -1,5 +1,6 @@
 """Turn a run's metrics.jsonl into one PNG of training curves (`relayrl` runs and `python -m relayrl.utils.plot`).
 
+A run of environment classes (tool use) also gets tool-call validity, turns per episode and tool latency per call.
 Below the curves, when the run logged them, a full-width stacked chart of each step's time by phase
 (`timer.STEP_PHASES`, the remainder `unaccounted` on top, `total_step_time` as a line): what a step spent where.
 
@@ -36,6 +37,15 @@ OPTIONAL_PANELS: list[tuple[str, str]] = [
     ("Async producer idle (s)", "timing/async/producer_idle"),  # waiting for weights within the staleness bound
     ("Async queue depth (batches ready)", "timing/async/queue_depth"),
 ]
+#: Drawn for a run that played environment classes (issue 26), per environment prefix (`train/env/`, or
+#: `train/env/<name>/` with several): the share of tool calls that were valid (derived: `tool_calls` over
+#: `tool_calls + invalid_tool_calls`), turns per episode, and the mean tool latency per call.
+VALID_CALLS = "valid_tool_call_rate"
+TOOL_PANELS: list[tuple[str, str]] = [
+    ("Tool-call validity (valid / all calls)", VALID_CALLS),
+    ("Tool latency per call (s)", "tool_latency_s"),
+]
+TURNS_PANEL = ("Turns per episode", "train/avg_turns_per_sample")
 TIMING_PREFIX = "timing/train/"
 QUEUE_DEPTH = "timing/async/queue_depth"
 #: The asynchronous producer's side, drawn under the breakdown (`--breakdown`) when the run logged it.
@@ -85,7 +95,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, breakdown_only:
     series = read_metrics(run_dir / "metrics.jsonl")
     if breakdown_only:
         return _save(_breakdown_figure(run_dir, series), run_dir, out)
-    panels = PANELS + [p for p in OPTIONAL_PANELS if p[1] in series]
+    panels = PANELS + [p for p in OPTIONAL_PANELS if p[1] in series] + tool_panels(series)
     phases = [p for p in (*STEP_PHASES, UNACCOUNTED) if TIMING_PREFIX + p in series]
     ncols = 2
     nrows = math.ceil(len(panels) / ncols)
@@ -117,6 +127,22 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, breakdown_only:
         ax.set_visible(False)
     fig.suptitle(f"run: {run_dir.name}")
     return _save(fig, run_dir, out)
+
+
+def tool_panels(series: dict[str, list[tuple[int, float]]]) -> list[tuple[str, str]]:
+    """The tool-use panels of every environment prefix the run logged (`<prefix>episodes`), adding the derived
+    validity series to `series`; none for a run without environment classes."""
+    prefixes = sorted(
+        k.removesuffix("episodes") for k in series if k.startswith("train/env/") and k.endswith("/episodes")
+    )
+    panels: list[tuple[str, str]] = []
+    for prefix in prefixes:
+        valid = dict(series.get(prefix + "tool_calls", []))
+        invalid = dict(series.get(prefix + "invalid_tool_calls", []))
+        calls = {s: valid.get(s, 0.0) + invalid.get(s, 0.0) for s in sorted({*valid, *invalid})}
+        series[prefix + VALID_CALLS] = [(s, valid.get(s, 0.0) / n) for s, n in calls.items() if n > 0]
+        panels += [(title, prefix + key) for title, key in TOOL_PANELS]
+    return [TURNS_PANEL, *panels] if prefixes else []
 
 
 def _save(fig: Figure, run_dir: Path, out: str | Path | None) -> Path:

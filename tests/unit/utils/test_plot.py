@@ -7,7 +7,7 @@ from typing import Any
 import matplotlib.image as mpimg
 import pytest
 
-from relayrl.utils.plot import main, plot_run, read_metrics
+from relayrl.utils.plot import main, plot_run, read_metrics, tool_panels
 
 
 def _write(run_dir: Path, rows: list[dict[str, Any]], tail: str = "") -> None:
@@ -115,3 +115,30 @@ def test_a_breakdown_of_a_run_without_phase_timings_names_the_file(tmp_path: Pat
     _write(tmp_path, _rows(3))
     with pytest.raises(ValueError, match="metrics.jsonl has no timing/train/<phase> timings"):
         plot_run(tmp_path, breakdown_only=True)
+
+
+def test_tool_panels_draw_validity_turns_and_latency_for_environment_runs(tmp_path: Path) -> None:
+    """A run of environment classes (issue 26) gets tool-call validity (derived from the counts), turns per episode
+    and tool latency; a run without them keeps its six panels (test_plot_run_writes_png)."""
+    rows = _rows(4)
+    for s, (calls, invalid) in enumerate([(3, 1), (0, 0), (4, 0), (2, 2)], start=1):
+        rows.append(
+            {
+                "step": s,
+                "train/env/episodes": 4,
+                "train/env/tool_calls": calls,
+                "train/env/invalid_tool_calls": invalid,
+                "train/env/tool_latency_s": 1e-5,
+                "train/avg_turns_per_sample": 1.5,
+            }
+        )
+    _write(tmp_path, rows)
+    series = read_metrics(tmp_path / "metrics.jsonl")
+    panels = tool_panels(series)
+    assert [key for _, key in panels] == [
+        "train/avg_turns_per_sample",
+        "train/env/valid_tool_call_rate",
+        "train/env/tool_latency_s",
+    ]
+    assert series["train/env/valid_tool_call_rate"] == [(1, 0.75), (3, 1.0), (4, 0.5)]  # step 2 made no call
+    assert mpimg.imread(plot_run(tmp_path)).shape[:2] == (1600, 1200)  # 9 panels -> 5 rows
