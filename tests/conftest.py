@@ -52,10 +52,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, char_tokenizer) -> 
 RAY_HEAD_CPUS = 8  # the most any module declares (`RAY_NUM_CPUS`); Ray uses the count for placement only
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+#: Ports Ray binds by default whatever else is asked (dashboard, its agent's HTTP port, the client server) and its
+#: default worker port range: a head given one of them as its GCS port refuses to start, and two heads would share them.
+_RAY_DEFAULT_PORTS = {8265, 52365, 10001, 6379, *range(10002, 20000)}
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free ports outside Ray's defaults."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _RAY_DEFAULT_PORTS and port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _die_with_parent() -> None:
@@ -75,12 +86,13 @@ def _ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
-    port = _free_port()
+    port, agent_port, client_port = _free_ports(3)
     log = tmp_path_factory.mktemp("ray_head") / "head.log"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}"]
     cmd += [f"--num-cpus={RAY_HEAD_CPUS}", "--include-dashboard=false", "--disable-usage-stats"]
+    cmd += [f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}"]  # per head
     with log.open("w") as out:
         head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + 180  # seconds on an idle box; a busy one (the suite's other worker) takes longer

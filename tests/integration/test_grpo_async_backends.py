@@ -102,11 +102,17 @@ def test_no_key_outlives_its_step_or_the_run(tmp_path, tiny_model_dir, ray_clust
 
 
 @BACKENDS
-def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir, ray_cluster, backend):
-    """The killed run starts its own Ray (the CLI does for a Ray-hosted store on the local executor); the resumed
-    one writes the checkpoint's in-flight rows back into a fresh store through the producer's client. Steps 1-2 of
-    the killed process and 3-4 of the resumed one log what the uninterrupted run logs (run-to-run determinism on
-    the backend too)."""
+def test_sigkill_with_rollouts_in_flight_resumes_exactly(tmp_path, tiny_model_dir, ray_cluster, backend, monkeypatch):
+    """On the `ray` store the killed run joins this module's cluster (RAY_ADDRESS, as a `ray job submit` driver
+    would; its store is named by its job); on TransferQueue it starts its own Ray, as the CLI does for a Ray-hosted
+    store on the local executor (TransferQueue's controller name is fixed per cluster, and the killed run's keeps it
+    until Ray notices its driver died). The resumed run writes the checkpoint's in-flight rows back into a fresh
+    store through the producer's client. Steps 1-2 of the killed process and 3-4 of the resumed one log what the
+    uninterrupted run logs (run-to-run determinism on the backend too)."""
+    import ray
+
+    if backend == "ray":
+        monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     overrides = tiny_grpo_overrides(tiny_model_dir, *BASE, *ASYNC, *_on(backend))
     if backend in _d1_runs:
         reference, reference_dir = _d1_runs[backend]
