@@ -19,10 +19,9 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
-from train_step import warmup_step  # scripts/train_step.py (this script's own folder)
+from train_step import warm_start_parser, warmup_step  # scripts/train_step.py (this script's own folder)
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from relayrl.experience import arithmetic
@@ -177,21 +176,9 @@ steps) whose greedy held-out accuracy reached {args.target_low}.
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("relayrl/assets/tiny-arith"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=2000)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--target-low", type=float, default=0.30)
-    p.add_argument("--target-high", type=float, default=0.45)
-    p.add_argument("--num-val", type=int, default=arithmetic.DEFAULT_NUM_VAL)
-    p.add_argument("--min-operand", type=int, default=10)
-    p.add_argument("--max-operand", type=int, default=99)
-    # One thread: on a shared, oversubscribed CPU two intra-op threads measured ~15x slower per step, not faster.
-    p.add_argument("--threads", type=int, default=1)
+    p = warm_start_parser(
+        __doc__.splitlines()[0], "relayrl/assets/tiny-arith", max_steps=2000, eval_every=25, target_high=0.45
+    )
     return p.parse_args(argv)
 
 

@@ -19,11 +19,10 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from train_step import warmup_step  # scripts/train_step.py (this script's own folder)
+from train_step import warm_start_parser, warmup_step  # scripts/train_step.py (this script's own folder)
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from relayrl.environments.calculator import Calculator, final_answer
@@ -252,22 +251,11 @@ held-out success by step {stats["history"]}), so the stop lands where it does.
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("relayrl/assets/tiny-calc"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--eval-every", type=int, default=5)
+    p = warm_start_parser(
+        __doc__.splitlines()[0], "relayrl/assets/tiny-calc", max_steps=3000, eval_every=5, target_high=0.60
+    )
     # the skill appears after ~200 steps (seed 0): evaluating earlier only costs time
     p.add_argument("--first-eval", type=int, default=180, help="no evaluation before this step (evaluating is slow)")
-    p.add_argument("--target-low", type=float, default=0.30)
-    p.add_argument("--target-high", type=float, default=0.60)
-    p.add_argument("--num-val", type=int, default=arithmetic.DEFAULT_NUM_VAL)
-    p.add_argument("--min-operand", type=int, default=10)
-    p.add_argument("--max-operand", type=int, default=99)
-    p.add_argument("--threads", type=int, default=1)
     return p.parse_args(argv)
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import torch
+
+from relayrl.experience import arithmetic
 
 
 def warmup_step(model: torch.nn.Module, optim: torch.optim.Optimizer, loss: torch.Tensor, step: int, args) -> None:
@@ -14,3 +19,26 @@ def warmup_step(model: torch.nn.Module, optim: torch.optim.Optimizer, loss: torc
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optim.step()
+
+
+def warm_start_parser(
+    description: str, out: str, *, max_steps: int, eval_every: int, target_high: float
+) -> argparse.ArgumentParser:
+    """The options both warm-start scripts share (output, seed, optimiser, stopping band, task range, threads);
+    each passes the defaults that differ and adds its own."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=Path(out))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--max-steps", type=int, default=max_steps)
+    p.add_argument("--eval-every", type=int, default=eval_every)
+    p.add_argument("--target-low", type=float, default=0.30)
+    p.add_argument("--target-high", type=float, default=target_high)
+    p.add_argument("--num-val", type=int, default=arithmetic.DEFAULT_NUM_VAL)
+    p.add_argument("--min-operand", type=int, default=10)
+    p.add_argument("--max-operand", type=int, default=99)
+    # One thread: on a shared, oversubscribed CPU two intra-op threads measured ~15x slower per step, not faster.
+    p.add_argument("--threads", type=int, default=1)
+    return p
