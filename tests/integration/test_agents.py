@@ -20,62 +20,10 @@ import pytest
 
 import relayrl
 from relayrl.cli.main import main
+from tests.agent_envs import CHECKER, MULTI_TURN, checks, user_class
 from tests.helpers import assert_breakdown_adds_up, metrics_by_step
 
-SMALL = {
-    "grpo.num_prompts_per_step": 2,
-    "grpo.num_generations_per_prompt": 2,
-    "policy.train_global_batch_size": 4,
-    "policy.train_micro_batch_size": 4,
-    "logger.progress_bar": False,
-    "grpo.max_num_steps": 3,
-    "grpo.max_rollout_turns": 2,
-    "grpo.val_at_start": False,
-    "grpo.val_period": 0,
-    "grpo.val_at_end": False,
-    "env.tool_call_parser": "tests.integration.test_agents:boxed_as_call",
-    "grpo.invalid_tool_call_advantage": -1.0,
-}
-
-USER_CLASS = '''
-class Checker:
-    """Checks an answer against the row's."""
-
-    def reset(self, answer, **row):
-        self.answer, self.checked = str(answer), []
-
-    def check(self, value: str) -> str:
-        """Check a candidate answer.
-
-        Args:
-            value: the candidate answer
-        """
-        self.checked.append(value)
-        return "correct" if value == self.answer else "wrong"
-
-    def get_reward(self) -> float:
-        return 1.0 if self.answer in self.checked else 0.0
-'''
-
-
-def boxed_as_call(text: str) -> list[dict]:
-    """The shipped model's `\\boxed{N}` as a call `check(value=N)`; no box, no call (the episode ends). A negative N
-    is a malformed call here (counted, returned to the model as an error, penalised by invalid_tool_call_advantage)."""
-    found = re.search(r"\\boxed\{([^}]*)\}", text)
-    if found and found.group(1).startswith("-"):
-        raise ValueError("negative")
-    return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
-
-
-def checks(prompts, completions, environments, **columns):
-    """A reward function reading the batch's environment instances (TRL's `environments=`)."""
-    return [0.5 * len(env.checked) for env in environments]
-
-
-def _user_module(directory: Path) -> type:
-    namespace: dict = {}
-    exec(compile(USER_CLASS, str(directory / "checker.py"), "exec"), namespace)
-    return namespace["Checker"]
+SMALL = {**MULTI_TURN, "grpo.max_num_steps": 3}
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +32,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     (class and reward function by import path) on the legacy trainer."""
     root = tmp_path_factory.mktemp("agents")
     result = relayrl.train(
-        environment_factory=_user_module(root), reward_fns=[checks], run_dir=root / "api", overrides=SMALL
+        environment_factory=user_class(CHECKER, "Checker", root / "checker.py"),
+        reward_fns=[checks],
+        run_dir=root / "api",
+        overrides=SMALL,
     )
-    (root / "checker.py").write_text(USER_CLASS)
+    (root / "checker.py").write_text(CHECKER)
     sys.modules.pop("relayrl_reward_checker", None)
     argv = ["train", "--run-dir", str(root / "cli"), f"env.environment_factory={root / 'checker.py'}:Checker"]
-    argv += ["env.reward_fns=[tests.integration.test_agents:checks]", "data_plane.enabled=false"]
+    argv += ["env.reward_fns=[tests.agent_envs:checks]", "data_plane.enabled=false"]
     assert main(argv + [f"{k}={v}" for k, v in SMALL.items()]) == 0
     return {"api": result.run_dir, "cli": root / "cli"}
 
@@ -151,7 +102,7 @@ def test_the_cli_on_the_legacy_trainer_logs_the_same_numbers(runs) -> None:
 
 def test_a_failing_reset_ends_the_cli_run_with_one_line(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "bad_env.py").write_text(
-        USER_CLASS.replace("Checker", "Picky").replace(
+        CHECKER.replace("Checker", "Picky").replace(
             "self.answer, self.checked = str(answer), []",
             "self.answer, self.checked = str(1 // (int(answer) - 50)), []",
         )

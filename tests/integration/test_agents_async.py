@@ -11,8 +11,8 @@ negative N as a malformed call).
 
 from __future__ import annotations
 
+import inspect
 import itertools
-import re
 import sys
 from pathlib import Path
 
@@ -23,55 +23,25 @@ import relayrl
 from relayrl.algorithms.async_state import ASYNC_STATE
 from relayrl.cli.main import main
 from relayrl.utils.state_file import load_state_file
+from tests.agent_envs import CHECKER, MULTI_TURN, boxed_as_call
 from tests.helpers import EXACT_RUN, metrics_by_step, sigkill_after_checkpoint
 
 STEPS = 4
-CHECKER = '''
-import re
-
-
-class Checker:
-    """Checks an answer against the row's."""
-
-    def reset(self, answer, **row):
-        self.answer, self.checked = str(answer), []
-
-    def check(self, value: str) -> str:
-        """Check a candidate answer.
-
-        Args:
-            value: the candidate answer
-        """
-        self.checked.append(value)
-        return "correct" if value == self.answer else "wrong"
-
-    def get_reward(self) -> float:
-        return 1.0 if self.answer in self.checked else 0.0
-
-
-def boxed_as_call(text):
-    found = re.search(r"\\\\boxed\\{([^}]*)\\}", text)
-    if found and found.group(1).startswith("-"):  # a malformed call: counted, penalised
-        raise ValueError("negative")
-    return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
-'''
 SMALL = (
     *EXACT_RUN,
+    # the parser is in the class's file; validation every 2 steps (below)
+    *(
+        f"{k}={v}"
+        for k, v in MULTI_TURN.items()
+        if k not in ("env.tool_call_parser", "grpo.val_period", "grpo.val_at_end")
+    ),
     "policy.model_name=builtin:tiny-arith",
-    "grpo.num_prompts_per_step=2",
-    "grpo.num_generations_per_prompt=2",
-    "policy.train_global_batch_size=4",
-    "policy.train_micro_batch_size=4",
     "policy.generation.max_new_tokens=16",
     f"grpo.max_num_steps={STEPS}",
-    "grpo.max_rollout_turns=2",
-    "grpo.val_at_start=false",
     "grpo.val_period=2",  # validation rolls out episodes on the trainer's thread while the producer rolls out its own
     "grpo.max_val_samples=2",
     "grpo.val_batch_size=2",
-    "logger.progress_bar=false",
     "checkpointing.save_period=2",
-    "grpo.invalid_tool_call_advantage=-1.0",  # per-token advantages from the producer's rows
 )
 # the producer's engine in its thread: what the generation process samples is the same (test_grpo_async), and
 # starting one per run would cost more than these runs take
@@ -99,20 +69,21 @@ def _rollouts(run_dir: Path, step: int) -> pq.Table:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, object]:
-    """Each configuration once: async d = 1 twice (the second counting the store's keys after every step), the
-    synchronous data-plane trainer, async d = 0, and a d = 1 run SIGKILLed at its step-2 checkpoint, then resumed."""
+    """Each configuration once: async d = 1 (counting the store's keys after every step), the synchronous data-plane
+    trainer, async d = 0, and a second d = 1 run SIGKILLed at its step-2 checkpoint, then resumed (it is also the
+    determinism check: its steps 1-2 ran in the killed process, 3-4 after the resume)."""
     from relayrl.algorithms.grpo_sync import GRPOSyncSteps
 
     root = tmp_path_factory.mktemp("agents_async")
     checker = root / "checker.py"
-    checker.write_text(CHECKER)
+    checker.write_text(f"import re\n{CHECKER}\n\n{inspect.getsource(boxed_as_call)}")  # a user's file, parser too
     sys.modules.pop("relayrl_reward_checker", None)
 
     def train(name: str, *extra: str) -> Path:
         assert main(["train", "--run-dir", str(root / name), *_overrides(checker, *extra)]) == 0
         return root / name
 
-    out: dict[str, object] = {"a": train("a", *ASYNC)}
+    out: dict[str, object] = {}
     held: list[int] = []
     step, close = GRPOSyncSteps.step, GRPOSyncSteps.close
 
@@ -134,7 +105,7 @@ def runs(tmp_path_factory) -> dict[str, object]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(GRPOSyncSteps, "step", step_and_count)
         patch.setattr(GRPOSyncSteps, "close", close_and_count)
-        out["b"] = train("b", *ASYNC)
+        out["a"] = train("a", *ASYNC)
     out["held"] = held
     out["sync"] = train("sync")
     out["d0"] = train("d0", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=0")
@@ -147,11 +118,11 @@ def runs(tmp_path_factory) -> dict[str, object]:
 
 
 def test_multi_turn_async_is_deterministic_and_leaks_no_key(runs) -> None:
-    a, b = _metrics(runs["a"]), _metrics(runs["b"])
+    a, b = _metrics(runs["a"]), _metrics(runs["resumed"])
     assert sorted(a) == list(range(1, STEPS + 1))
-    assert a == b
+    assert a == b  # the second run (killed after step 2, then resumed) logs the same numbers
     # `relayrl diff` agrees, recorded samples included: the tools' latency is a clock it never compares
-    assert main(["diff", str(runs["a"]), str(runs["b"])]) == 0
+    assert main(["diff", str(runs["a"]), str(runs["resumed"])]) == 0
     assert [a[s]["train/async/trajectory_age_mean"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
     # rollouts of more than one turn: the tool ran, and its answer was fed back for a second reply
     assert sum(a[s]["train/env/tool_calls"] for s in a) > 0 and max(a[s]["train/max_turns_per_sample"] for s in a) == 2
@@ -220,11 +191,6 @@ class Closer:
 
     def close(self) -> None:
         Closer.log.append(f"close {self.n}")
-
-
-def boxed_as_call(text: str) -> list[dict]:
-    found = re.search(r"\\boxed\{([^}]*)\}", text)
-    return [{"name": "check", "arguments": {"value": found.group(1)}}] if found else []
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from relayrl.config import MasterConfig
 from relayrl.environments.registry import build_tool_environments
 from relayrl.experience.ray_rollout import receive_environments, ship_environments
 from relayrl.utils.config_io import load_config
+from tests.agent_envs import MULTI_TURN, SLOW_CHECKER, checks, user_class
 from tests.helpers import metrics_by_step
 
 ray = pytest.importorskip("ray")
@@ -35,59 +36,19 @@ pytestmark = pytest.mark.ray
 RAY_NUM_CPUS = 6  # the shared `ray_cluster` fixture (tests/conftest.py) reads it
 
 SMALL = {
-    "grpo.num_prompts_per_step": 2,
-    "grpo.num_generations_per_prompt": 2,
-    "policy.train_global_batch_size": 4,
+    **MULTI_TURN,
     "policy.train_micro_batch_size": 2,
-    "logger.progress_bar": False,
     "grpo.max_num_steps": 2,
-    "grpo.max_rollout_turns": 2,
-    "grpo.val_at_start": False,
-    "grpo.val_period": 0,
-    "grpo.val_at_end": False,
     "checkpointing.enabled": False,
     "cluster.workers_per_node": 2,
     "cluster.deterministic": True,
-    "env.tool_call_parser": "tests.integration.test_agents:boxed_as_call",
     "env.tool_timeout_s": 1.0,  # far above a quick call's time on a busy machine: only the hung calls time out
-    "grpo.invalid_tool_call_advantage": -1.0,
 }
-
-USER_CLASS = '''
-import time
-
-class SlowChecker:
-    """Checks an answer against the row's; an odd one hangs past the tool deadline."""
-
-    def reset(self, answer, **row):
-        self.answer, self.checked = str(answer), []
-
-    def check(self, value: str) -> str:
-        """Check a candidate answer.
-
-        Args:
-            value: the candidate answer
-        """
-        self.checked.append(value)
-        if value[-1:] in "13579":
-            time.sleep(4.0)
-        return "correct" if value == self.answer else "wrong"
-
-    def get_reward(self) -> float:
-        return 1.0 if self.answer in self.checked else 0.0
-'''
-
-
-def checks(prompts, completions, environments, **columns):
-    """A reward function reading the batch's environment instances (TRL's `environments=`)."""
-    return [0.5 * len(env.checked) for env in environments]
 
 
 def _by_value() -> type:
     """The class as `__main__` would hold it: no importable module, so cloudpickle sends it by value."""
-    namespace: dict = {}
-    exec(compile(USER_CLASS, "<user script>", "exec"), namespace)
-    return namespace["SlowChecker"]
+    return user_class(SLOW_CHECKER, "SlowChecker")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +106,7 @@ def test_a_failing_reset_on_ray_ends_the_cli_run_with_one_line(ray_cluster, tmp_
     """A `file.py:Class` entry (relative to the driver's directory) is loaded in the rollout actor; its `reset`
     raising there ends the run with the local executor's line, naming the class and the row."""
     (tmp_path / "bad_env.py").write_text(
-        USER_CLASS.replace("SlowChecker", "Picky").replace(
+        SLOW_CHECKER.replace("SlowChecker", "Picky").replace(
             "self.answer, self.checked = str(answer), []",
             "self.answer, self.checked = str(1 // (int(answer) - 50)), []",
         )
@@ -166,12 +127,12 @@ def test_a_failing_reset_on_ray_ends_the_cli_run_with_one_line(ray_cluster, tmp_
 def test_a_class_the_actor_cannot_load_is_refused_before_the_model_loads(ray_cluster, tmp_path, monkeypatch) -> None:
     """A class of a module only the driver can import (its directory is on the driver's sys.path alone) and a class
     that does not pickle: one line each, naming the class and the fix, before any model or worker starts."""
-    (tmp_path / "private_envs.py").write_text(USER_CLASS)
+    (tmp_path / "private_envs.py").write_text(SLOW_CHECKER)
     monkeypatch.syspath_prepend(str(tmp_path))
     import private_envs  # type: ignore[import-not-found]
 
     namespace: dict = {}
-    exec(USER_CLASS + "\nimport threading\n\nclass Locked(SlowChecker):\n    guard = threading.Lock()\n", namespace)
+    exec(SLOW_CHECKER + "\nimport threading\n\nclass Locked(SlowChecker):\n    guard = threading.Lock()\n", namespace)
     try:
         for cls, problem in (
             (private_envs.SlowChecker, "cannot be rebuilt in the Ray rollout actor: ModuleNotFoundError: No module"),
