@@ -1,9 +1,12 @@
-"""Both GRPO trainers end to end on the Ray executor: 3 steps with 1 and with 2 policy workers (same global batch).
+"""Both GRPO trainers and PPO end to end on the Ray executor with 2 policy workers, against one worker on the local
+executor (same global batch).
 
 Generation runs on Ray generation workers refitted from the policy after every step; the data-plane trainer keeps
 rollout tensors in the Ray store and hosts its rollout actor as a Ray actor. Sampling is invariant to how rows are
-split across generation workers, so 1 and 2 workers see the same rollouts and must log the same per-step
-metrics (rewards, loss, KL, grad norm, validation accuracy) up to float rounding of the 2-rank gradient sum.
+split across generation workers and to the executor, so 2 Ray workers see the rollouts one local worker sees and
+must log the same per-step metrics (rewards, loss, KL, grad norm, validation accuracy) up to float rounding of the
+2-rank gradient sum: one comparison for the worker count and the executor (the 1-worker reference was a Ray run of
+its own; the local one costs no actor start).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ COMPARED = ("train/reward", "train/loss", "train/kl_penalty", "train/grad_norm",
 
 
 def overrides(workers: int, data_plane: bool, algorithm: str = "grpo") -> list[str]:
+    """One worker runs on the local executor, two on Ray."""
     """The shipped model (it solves some problems: rewards vary within a group, so gradients are not zero)."""
     common = [
         "policy.train_micro_batch_size=4",
@@ -40,7 +44,7 @@ def overrides(workers: int, data_plane: bool, algorithm: str = "grpo") -> list[s
         "logger.progress_bar=false",
         "logger.tensorboard_enabled=false",
         "logger.num_train_samples_to_log=0",
-        "cluster.executor=ray",
+        f"cluster.executor={'local' if workers == 1 else 'ray'}",
         f"cluster.workers_per_node={workers}",
         "cluster.deterministic=true",
         f"data_plane.enabled={str(data_plane).lower()}",
@@ -82,7 +86,8 @@ def runs(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Any:
         key = (algorithm, workers, data_plane)
         if key not in cache:
             cfg = load_config(None, overrides(workers, data_plane, algorithm))
-            assert cfg.data_plane.backend == "ray"  # the default on the Ray executor
+            if workers > 1:
+                assert cfg.data_plane.backend == "ray"  # the default on the Ray executor
             run_dir = root / f"{algorithm}_w{workers}_{'dp' if data_plane else 'legacy'}"
             os.environ["RELAYRL_REFIT_IPC_DIR"] = str(root)  # ZMQ IPC sockets private to this module
             try:
@@ -119,9 +124,9 @@ def assert_close(one: dict[int, dict[str, Any]], two: dict[int, dict[str, Any]],
 
 @pytest.mark.parametrize("data_plane", [False, True], ids=["legacy", "data_plane"])
 def test_grpo_on_ray_one_vs_two_workers(runs: Any, data_plane: bool) -> None:
-    """Each trainer's 2-worker run against one 1-worker run, the data-plane trainer's: the two trainers log the same
-    numbers on one worker (tests/integration/test_parity.py, bit for bit) and on two (the parity test below), so
-    one 1-worker run serves both."""
+    """Each trainer's 2-worker Ray run against one 1-worker local run, the data-plane trainer's: the two trainers log
+    the same numbers on one worker (tests/integration/test_parity.py, bit for bit) and on two (the parity test
+    below), so one 1-worker run serves both."""
     one = per_step(runs("grpo", 1, True))
     two = per_step(runs("grpo", 2, data_plane))
     for run in (one, two):
@@ -157,7 +162,8 @@ def test_parity_on_the_ray_backend_with_two_workers(runs: Any) -> None:
 
 
 def test_ppo_on_ray_one_vs_two_workers_data_plane(runs: Any) -> None:
-    """PPO with TQValue on Ray: critic and policy metrics of 1 and 2 workers agree (GAE whitening is sharded)."""
+    """PPO with TQValue on Ray: critic and policy metrics of 2 Ray workers agree with 1 local worker's (GAE whitening
+    is sharded)."""
     one = per_step(runs("ppo", 1, True))
     two = per_step(runs("ppo", 2, True))
     assert sorted(s for s, m in one.items() if "train/loss" in m) == [1, 2]
