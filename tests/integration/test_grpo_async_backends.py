@@ -15,12 +15,16 @@ from relayrl.algorithms.async_state import ASYNC_STATE
 from relayrl.cli.main import main
 from relayrl.utils.state_file import load_state_file
 from tests.helpers import sigkill_after_checkpoint, tiny_grpo_overrides
-from tests.integration.test_grpo_async import ASYNC, BASE, STEPS, _metrics, _run
+from tests.integration.test_grpo_async import BASE, STEPS, _metrics, _run
 
 pytestmark = pytest.mark.ray
 RAY_NUM_CPUS = 4  # the shared `ray_cluster` fixture (tests/conftest.py) reads it; TransferQueue takes 3
 
 BACKENDS = pytest.mark.parametrize("backend", ["ray", "transfer_queue"])
+#: The producer's engine in its thread: the generation process returns tokens to the producer thread, which writes
+#: them through its client either way (test_grpo_async checks that both engines sample the same), and starting one
+#: per run costs more than these runs take.
+ASYNC = ("grpo.async_grpo.enabled=true", "grpo.async_grpo.generator=thread")
 
 _d1_runs: dict[str, tuple[dict[int, dict], Path]] = {}
 """The uninterrupted d = 1 run's metrics and run directory per backend, shared by the determinism and the resume
