@@ -17,7 +17,8 @@ Layout of `checkpoint_dir/`:
 Why digests in the file: the rows are read through the client's checked gets, but a put computes fresh digests of
 whatever it is given, so a row damaged on disk between save and load would enter the store vouched for. Load
 compares each field's rows with the digests saved beside them before any row is put, and a mismatch is one
-`ChecksumMismatchError` line naming the file, partition, key and field. They are written and checked whatever
+`DamagedCheckpointError` line naming the file, partition, key and field (a `CheckpointError`: the CLI refuses the
+checkpoint in one line, exit 2, as it does an unreadable one). They are written and checked whatever
 `data_plane.verify_checksums` says: once per checkpoint, not per step. The JSON part (keys, tags, cursors) is not
 covered by them; the trainer checkpoint's manifest hashes every file, this one included.
 
@@ -42,13 +43,12 @@ import numpy as np
 
 from relayrl.data_plane.checksum import row_digests
 from relayrl.data_plane.codec import Column
-from relayrl.data_plane.interfaces import ChecksumMismatchError
 from relayrl.utils.state_file import CheckpointError, load_state_file, save_state_file
 
 if TYPE_CHECKING:
     from relayrl.data_plane.interfaces import DataPlaneClient
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "STORE_FILE", "load_store", "save_store"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "STORE_FILE", "DamagedCheckpointError", "load_store", "save_store"]
 
 FORMAT = "relayrl-data-plane"
 FORMAT_VERSION = 2
@@ -58,6 +58,14 @@ MANIFEST = "manifest.json"
 STORE_FILE = "store.safetensors"
 
 logger = logging.getLogger(__name__)
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A saved row differs from the digest saved with it: names the file, partition, key and field."""
+
+    def __init__(self, message: str, key: str = "", field: str = ""):
+        super().__init__(message)
+        self.key, self.field = key, field
 
 
 def save_store(client: DataPlaneClient, checkpoint_dir: Path, metadata: dict[str, Any]) -> None:
@@ -131,7 +139,7 @@ def read_manifest(checkpoint_dir: Path) -> dict[str, Any]:
 
 def _verify_column(store_file: Path, partition_id: str, name: str, keys: list[str], col: dict[str, Any]) -> None:
     """The saved rows of one field against the digests saved with them (`[N]`, in `keys` order); raises
-    `ChecksumMismatchError` naming the file, partition, first damaged key and field."""
+    `DamagedCheckpointError` naming the file, partition, first damaged key and field."""
     where = f"{store_file}: data plane checkpoint partition {partition_id!r}"
     fix = "the file changed after it was saved; load an intact copy or an earlier checkpoint"
     want = col.get("checksums")
@@ -140,12 +148,12 @@ def _verify_column(store_file: Path, partition_id: str, name: str, keys: list[st
             raise ValueError(f"{0 if want is None else want.numel()} row digests for {len(keys)} keys")
         got = row_digests(Column(col["values"], col["lengths"])).numpy()  # [N]
     except (TypeError, ValueError) as e:  # damaged lengths, or digests that do not fit the rows
-        raise ChecksumMismatchError(f"{where}, field '{name}': rows unreadable ({e}); {fix}", field=name) from None
+        raise DamagedCheckpointError(f"{where}, field '{name}': rows unreadable ({e}); {fix}", field=name) from None
     bad = np.flatnonzero(got != want.numpy())
     if bad.size:
         key = keys[int(bad[0])]
         more = f" ({bad.size} rows of this field differ)" if bad.size > 1 else ""
-        raise ChecksumMismatchError(
+        raise DamagedCheckpointError(
             f"{where}, key {key!r}, field '{name}' does not match the digest saved with it{more}; {fix}",
             key=key,
             field=name,

@@ -19,12 +19,8 @@ import pytest
 import torch
 
 from relayrl.data_plane.codec import Column
-from relayrl.data_plane.interfaces import (
-    ChecksumMismatchError,
-    DataPlaneClient,
-    SchemaMismatchError,
-    UnknownPartitionError,
-)
+from relayrl.data_plane.interfaces import DataPlaneClient, SchemaMismatchError, UnknownPartitionError
+from relayrl.data_plane.snapshot import DamagedCheckpointError
 from relayrl.utils.state_file import CheckpointError
 
 ClientFactory = Callable[..., DataPlaneClient]
@@ -193,7 +189,7 @@ def check_damaged_checkpoint_row_fails_at_load(make: ClientFactory) -> None:
         flip_saved_bit(store_file, pid, "lp", int(lp.lengths[:i].sum()) * lp.values.element_size())
         dst = make()
         try:
-            with pytest.raises(ChecksumMismatchError) as err:
+            with pytest.raises(DamagedCheckpointError) as err:  # a CheckpointError: the CLI refuses it, exit 2
                 dst.load_checkpoint(ckpt)
             msg = str(err.value)
             assert "\n" not in msg and str(store_file) in msg and repr(pid) in msg, msg
