@@ -15,18 +15,20 @@ repeated values zeroed changes it (unlike an XOR fold, equal words do not cancel
 changes it. The sum is folded to 63 bits (bit 63 into bit 0) so that -1 can mean "no checksum recorded"; the fold
 hides a change only if it moves the sum by exactly 2**63 +- 1. It is not a cryptographic hash: it guards against
 corruption, not against an adversary.
+
+This module is only the digest (it imports nothing of the client API, so the checkpoint code can use it too); the
+getting client's comparison is `proxy.verify_rows`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from relayrl.data_plane.codec import Column
-from relayrl.data_plane.interfaces import ChecksumMismatchError, format_keys
 
 NO_CHECKSUM = -1
 """The ledger's mark for a (row, field) written without a checksum (by a client with verification off)."""
@@ -149,29 +151,3 @@ def _fold_torch(h: torch.Tensor) -> torch.Tensor:
 def batch_digests(cols: Mapping[str, Column]) -> dict[str, torch.Tensor]:
     """`{field: [N] digests}` for a put's columns."""
     return {name: row_digests(col) for name, col in cols.items()}
-
-
-def verify_rows(
-    batch: Mapping[str, Column], stored: Mapping[str, torch.Tensor], keys: Sequence[str], partition_id: str
-) -> int:
-    """Compare each fetched field's rows with the digests recorded at put (`stored`, `[N]` per field, in `keys`
-    order). Raises `ChecksumMismatchError` naming the first corrupted key and field; returns how many (row, field)
-    pairs had no checksum recorded and so could not be verified."""
-    unverified = 0
-    for name, recorded in stored.items():
-        got, want = _row_digests(batch[name]), recorded.numpy()  # [N], [N]
-        if np.array_equal(got, want):  # the common case, one comparison
-            continue
-        has = want != NO_CHECKSUM  # [N]
-        bad = (got != want) & has
-        unverified += int((~has).sum())
-        if bool(bad.any()):
-            wrong = [keys[i] for i in np.flatnonzero(bad).tolist()]
-            others = f" ({len(wrong)} rows of this field differ: {format_keys(wrong)})" if len(wrong) > 1 else ""
-            raise ChecksumMismatchError(
-                f"data plane checksum mismatch in partition {partition_id!r}: key {wrong[0]!r}, field '{name}' is "
-                f"not what was put (the store or the transfer changed it){others}",
-                key=wrong[0],
-                field=name,
-            )
-    return unverified

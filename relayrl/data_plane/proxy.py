@@ -17,11 +17,13 @@ from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
-from relayrl.data_plane.checksum import batch_digests, verify_rows
+from relayrl.data_plane.checksum import NO_CHECKSUM, batch_digests, row_digests
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import (
+    ChecksumMismatchError,
     DataPlaneClient,
     DataPlaneClosedError,
     FieldBatch,
@@ -29,6 +31,7 @@ from relayrl.data_plane.interfaces import (
     KVBatchMeta,
     Tags,
     check_put,
+    format_keys,
 )
 from relayrl.data_plane.ledger import Ledger
 
@@ -38,6 +41,32 @@ T = TypeVar("T")
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
 """Upper bound for one put/get/clear round trip; a dead or wedged store surfaces as an error, not a hang."""
+
+
+def verify_rows(
+    batch: Mapping[str, Column], stored: Mapping[str, torch.Tensor], keys: Sequence[str], partition_id: str
+) -> int:
+    """Compare each fetched field's rows with the digests recorded at put (`stored`, `[N]` per field, in `keys`
+    order). Raises `ChecksumMismatchError` naming the first corrupted key and field; returns how many (row, field)
+    pairs had no checksum recorded and so could not be verified."""
+    unverified = 0
+    for name, recorded in stored.items():
+        got, want = row_digests(batch[name]).numpy(), recorded.numpy()  # [N], [N]
+        if np.array_equal(got, want):  # the common case, one comparison
+            continue
+        has = want != NO_CHECKSUM  # [N]
+        bad = (got != want) & has
+        unverified += int((~has).sum())
+        if bool(bad.any()):
+            wrong = [keys[i] for i in np.flatnonzero(bad).tolist()]
+            others = f" ({len(wrong)} rows of this field differ: {format_keys(wrong)})" if len(wrong) > 1 else ""
+            raise ChecksumMismatchError(
+                f"data plane checksum mismatch in partition {partition_id!r}: key {wrong[0]!r}, field '{name}' is "
+                f"not what was put (the store or the transfer changed it){others}",
+                key=wrong[0],
+                field=name,
+            )
+    return unverified
 
 
 class ChecksumStats:

@@ -14,6 +14,10 @@ partial sum of the global-batch mean, so the gradient of the global mean is the 
   calibration: full HF-named tensors, no prefixes); after each optimizer step the updated shards are gathered into
   it in place (its identity, shared with a colocated engine, is kept).
 
+Their collectives run inside torch (DDP's reducer, FSDP2's hooks), bounded by the process group's timeout
+(`cluster.collective_timeout_s`); `_bounded` turns the backend's own timeout text (gloo's multi-line "Timed out
+waiting ...ms for recv") into one `DeadlineError` line naming the rank, the strategy's collective and the phase.
+
 DDP and FSDP2 reduce inside backward, so every rank must run the same micro-batches: a micro-batch without a valid
 sample still runs, with its loss multiplied by 0, and is not recorded.
 Both need a torch.distributed process group per worker group (the Ray executor: gloo on CPU, nccl on GPU); with one
@@ -30,6 +34,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from relayrl.distributed.torch_collective import is_backend_timeout
+from relayrl.utils import deadlines
 
 Strategy = Literal["manual", "ddp", "fsdp2"]
 STRATEGIES: tuple[str, ...] = ("manual", "ddp", "fsdp2")
@@ -70,7 +77,16 @@ class DataParallel:
     what the optimizer holds and clipping sees.
     """
 
-    def __init__(self, module: nn.Module, strategy: str, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        strategy: str,
+        world_size: int,
+        device: torch.device,
+        deadline: deadlines.Deadline | None = None,
+    ) -> None:
+        """`deadline`: the process group's timeout and its key, named when a collective runs past it (None: the
+        configured `cluster.collective_timeout_s`)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"data_parallel.strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if strategy != "manual" and world_size > 1 and not dist.is_initialized():
@@ -82,6 +98,7 @@ class DataParallel:
         self.requested = strategy
         self.strategy = strategy if world_size > 1 else "manual"  # one rank: nothing to reduce
         self.world_size = world_size
+        self._deadline = deadline or deadlines.deadline("collective")
         self.train_module: Any = module  # a PreTrainedModel / ValueModel; FSDP2 swaps in subclasses of its own
         self._wrapper: Any = None
         if self.strategy == "ddp":
@@ -149,7 +166,16 @@ class DataParallel:
         """Run the loss closure through the wrapper (whose hooks reduce gradients); DDP evaluation needs none."""
         if self._wrapper is None or (not training and self.strategy == "ddp"):
             return closure()
-        return self._wrapper(closure)
+        # fsdp2 unshards the parameters here; ddp syncs its rebuilt bucket order once (its second training forward)
+        phase = "parameter all-gather in forward" if self.strategy == "fsdp2" else "bucket sync in forward"
+        with self._bounded(phase):
+            return self._wrapper(closure)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`; under ddp/fsdp2 a synced micro-batch's gradient collectives run inside it."""
+        phase = "gradient reduce-scatter" if self.strategy == "fsdp2" else "gradient all-reduce"
+        with self._bounded(f"{phase} in backward"):
+            loss.backward()
 
     def zero_touch(self) -> torch.Tensor:
         """0 x the parameters held unsharded right now (all of them under DDP; the root unit's inside an FSDP2
@@ -162,18 +188,31 @@ class DataParallel:
 
     def global_grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Pre-clip global L2 norm (CPU scalar) of the already-reduced gradients, clipped in place."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        full = getattr(norm, "full_tensor", None)  # fsdp2: a DTensor norm over the shards
-        return (full() if callable(full) else norm).detach().cpu()
+        with self._bounded("gradient norm all-reduce"):  # fsdp2: the norm sums over the shards
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            full = getattr(norm, "full_tensor", None)  # fsdp2: a DTensor norm over the shards
+            return (full() if callable(full) else norm).detach().cpu()
 
     def after_step(self) -> None:
         """fsdp2: gather the updated shards into the full module in place (every rank takes part)."""
         if self.strategy != "fsdp2":
             return
         full = dict(self.module.named_parameters())
-        with torch.no_grad():
+        with torch.no_grad(), self._bounded("parameter all-gather after the optimizer step"):
             for name, p in self.train_module.named_parameters():
                 full[name].copy_(p.full_tensor())  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def _bounded(self, phase: str) -> Iterator[None]:
+        """The backend's timeout of a ddp/fsdp2 collective as one `DeadlineError` line (rank, collective, phase,
+        the key); other errors, and every error under `manual` (its all-reduce is the `Collective`'s), pass."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.strategy == "manual" or not is_backend_timeout(exc):
+                raise
+            where = f"rank {dist.get_rank()} of {self.world_size}: {self.strategy} {phase} ({dist.get_backend()})"
+            raise self._deadline.error(where) from exc
 
     def load_full_into_shards(self) -> None:
         """fsdp2: after the full module was overwritten (checkpoint load), re-cut this rank's shards from it."""
@@ -227,4 +266,5 @@ class DataParallel:
 
 def wrap_model(model: nn.Module, strategy: str, comm: Any, device: torch.device) -> DataParallel:
     """`model` wrapped for data-parallel training under `strategy` over the ranks of `comm` (a `Collective`)."""
-    return DataParallel(model, strategy, int(comm.world_size), torch.device(device))
+    deadline = getattr(comm, "deadline", None)  # a torch.distributed group's own timeout, where comm has one
+    return DataParallel(model, strategy, int(comm.world_size), torch.device(device), deadline)

@@ -30,6 +30,12 @@ def default_backend(device: torch.device | str | None = None) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def is_backend_timeout(exc: BaseException) -> bool:
+    """Whether a torch.distributed error is its backend's own timeout (gloo: "Timed out waiting ...ms")."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
 class TorchDistCollective:
     """One rank of a torch.distributed default process group, exposed through the `Collective` protocol."""
 
@@ -89,6 +95,11 @@ class TorchDistCollective:
     def backend(self) -> str:
         return self._backend
 
+    @property
+    def deadline(self) -> deadlines.Deadline:
+        """The group's timeout and the key that set it (DDP/FSDP2 collectives run under it too)."""
+        return self._deadline
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self._check_alive()
         work = self._staged(tensor)
@@ -134,7 +145,7 @@ class TorchDistCollective:
         try:
             yield
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            if not is_backend_timeout(exc):
                 raise
             what = f"rank {self._rank} of {self._world_size}: torch.distributed {self._backend} {op}"
             raise self._deadline.error(what) from exc

@@ -309,7 +309,7 @@ def _forward_backward(
     value, mb_metrics = dp.forward(closure, training=not eval_mode)
     if not eval_mode and value.requires_grad:  # no graph: no loss position, zero gradient
         scaler = replica.grad_scaler
-        (value if scaler is None else scaler.scale(value)).backward()
+        dp.backward(value if scaler is None else scaler.scale(value))  # ddp/fsdp2: a timeout is one line
     return value, mb_metrics
 
 

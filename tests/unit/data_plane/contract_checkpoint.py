@@ -8,6 +8,8 @@ can observe: key order, every field's rows and dtype, tags, claim cursors, schem
 from __future__ import annotations
 
 import json
+import logging
+import struct
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import torch
 
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import DataPlaneClient, SchemaMismatchError, UnknownPartitionError
+from relayrl.data_plane.snapshot import DamagedCheckpointError
 from relayrl.utils.state_file import CheckpointError
 
 ClientFactory = Callable[..., DataPlaneClient]
@@ -127,7 +130,7 @@ def check_checkpoint_version_is_checked(make: ClientFactory) -> None:
             c.register_partition(_pid(), ["reward"], 1, ["t"])
             c.save_checkpoint(ckpt)
             manifest = json.loads((ckpt / "manifest.json").read_text())
-            assert manifest["version"] == 1 and manifest["metadata"] == {}
+            assert manifest["version"] == 2 and manifest["metadata"] == {}
             (ckpt / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
             with pytest.raises(CheckpointError, match="version 99 is not supported") as err:
                 c.load_checkpoint(ckpt)
@@ -140,8 +143,78 @@ def check_checkpoint_version_is_checked(make: ClientFactory) -> None:
             c.close()
 
 
+def flip_saved_bit(store_file: Path, partition_id: str, field: str, byte: int) -> None:
+    """Flip bit 0 of byte `byte` of `field`'s saved values in `partition_id`, in the safetensors file itself (its
+    header: 8-byte little-endian length, then JSON naming each tensor's byte range and the state tree)."""
+    raw = bytearray(store_file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    tree = json.loads(header["__metadata__"]["tree"])
+    part = next(p for p in tree["partitions"] if p["id"] == partition_id)
+    start, end = header[part["columns"][field]["values"]["__tensor__"]]["data_offsets"]
+    assert 0 <= byte < end - start
+    raw[8 + n + start + byte] ^= 1
+    store_file.write_bytes(bytes(raw))
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def check_damaged_checkpoint_row_fails_at_load(make: ClientFactory) -> None:
+    """A bit flipped on disk in one saved row fails the load with one line naming the file, partition, key and
+    field, before any row enters the store; the same file labelled version 1 (no digests) loads unverified, with a
+    one-line warning."""
+    pid = _pid()
+    keys = [f"k{i}" for i in range(5)]
+    fields = _fields(5, 3)
+    lp = fields["lp"]
+    assert isinstance(lp, Column) and lp.lengths is not None
+    i = int(torch.nonzero(lp.lengths)[-1])  # the last row with tokens: a row in the middle of the saved tensor
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "dp"
+        src = make()
+        try:
+            src.register_partition(pid, FIELDS, 5, ["t"])
+            src.put_samples(keys, pid, fields)
+            src.save_checkpoint(ckpt)
+        finally:
+            src.close()
+        store_file = ckpt / "store.safetensors"
+        flip_saved_bit(store_file, pid, "lp", int(lp.lengths[:i].sum()) * lp.values.element_size())
+        dst = make()
+        try:
+            with pytest.raises(DamagedCheckpointError) as err:  # a CheckpointError: the CLI refuses it, exit 2
+                dst.load_checkpoint(ckpt)
+            msg = str(err.value)
+            assert "\n" not in msg and str(store_file) in msg and repr(pid) in msg, msg
+            assert repr(keys[i]) in msg and "field 'lp'" in msg, msg
+            assert (err.value.key, err.value.field) == (keys[i], "lp")
+            with pytest.raises(UnknownPartitionError):  # verified before anything was registered or put
+                dst.list_sample_ids(pid)
+            manifest = json.loads((ckpt / "manifest.json").read_text())
+            (ckpt / "manifest.json").write_text(json.dumps({**manifest, "version": 1}))
+            records, log = _Records(), logging.getLogger("relayrl.data_plane.snapshot")
+            log.addHandler(records)
+            try:
+                dst.load_checkpoint(ckpt)
+            finally:
+                log.removeHandler(records)
+            assert len(records.lines) == 1 and "unverified" in records.lines[0] and str(store_file) in records.lines[0]
+            got = dst.get_samples([keys[i]], pid, ["lp"])["lp"].values
+            assert not torch.equal(got, lp.row(i))  # what "unverified" means: the damaged row was accepted
+        finally:
+            dst.close()
+
+
 CHECKPOINT_CHECKS: list[Callable[[ClientFactory], None]] = [
     check_list_sample_ids_in_insertion_order,
     check_checkpoint_round_trip_exact,
     check_checkpoint_version_is_checked,
+    check_damaged_checkpoint_row_fails_at_load,
 ]

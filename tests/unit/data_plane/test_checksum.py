@@ -10,6 +10,7 @@ import torch
 from relayrl.data_plane import checksum as cs
 from relayrl.data_plane.codec import Column
 from relayrl.data_plane.interfaces import ChecksumMismatchError
+from relayrl.data_plane.proxy import verify_rows
 
 g = torch.Generator().manual_seed(0)
 LENS = torch.tensor([3, 0, 5, 1, 4])
@@ -75,13 +76,13 @@ def test_verify_names_key_and_field_in_one_line_and_counts_unchecked_rows() -> N
     col = COLUMNS["float32"]
     stored = {"lp": cs.row_digests(col)}
     keys = [f"k{i}" for i in range(5)]
-    assert cs.verify_rows({"lp": col}, stored, keys, "train") == 0
+    assert verify_rows({"lp": col}, stored, keys, "train") == 0
     none = {"lp": torch.tensor([cs.NO_CHECKSUM] * 5)}
-    assert cs.verify_rows({"lp": col}, none, keys, "train") == 5
+    assert verify_rows({"lp": col}, none, keys, "train") == 5
     bad = stored["lp"].clone()
     bad[[2, 4]] += 1
     with pytest.raises(ChecksumMismatchError) as e:
-        cs.verify_rows({"lp": col}, {"lp": bad}, keys, "train")
+        verify_rows({"lp": col}, {"lp": bad}, keys, "train")
     msg = str(e.value)
     assert "\n" not in msg and "'k2'" in msg and "'lp'" in msg and "'train'" in msg and "2 rows" in msg
     assert (e.value.key, e.value.field) == ("k2", "lp")

@@ -115,3 +115,41 @@ def test_tq_corrupted_row_fails_at_get(make_client: Callable[..., DataPlaneClien
 
 def test_tq_latency_percentiles(make_client: Callable[..., DataPlaneClient]) -> None:
     check_latency_percentiles(make_client)
+
+
+def test_a_wedged_transfer_queue_ends_a_get_at_data_plane_call_timeout_s(
+    make_client: Callable[..., DataPlaneClient],
+) -> None:
+    """Issue 28 item 5: TransferQueue's controller process stops answering (SIGSTOP: a real hang, not a mock); a
+    get on it ends at data_plane.call_timeout_s with one line naming the call, the partition and the key (a
+    `DeadlineError`: the CLI exits 1). Once the controller runs again the store answers as before. Last in the
+    module: it pauses the module's shared TransferQueue."""
+    import os
+    import signal
+    import time
+
+    from relayrl.data_plane.remote import lookup_actor
+    from relayrl.data_plane.tq_adapter import TQ_CONTROLLER_NAME, TQ_NAMESPACE, build_client
+    from relayrl.utils.deadlines import DeadlineError
+
+    c = make_client()
+    c.register_partition("wedged", ["x"], 2, ["t"])
+    c.put_samples(["a", "b"], "wedged", {"x": torch.tensor([1.0, 2.0])})
+    fast = build_client(CFG.model_copy(update={"call_timeout_s": 0.5}), bootstrap=False)  # a worker's client
+    controller = lookup_actor(TQ_CONTROLLER_NAME, TQ_NAMESPACE)
+    assert controller is not None
+    pid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(DeadlineError) as err:
+            fast.get_samples(["a", "b"], "wedged", ["x"])
+        assert time.monotonic() - start < 10
+        assert str(err.value) == (
+            "transfer_queue: get on partition 'wedged' did not finish within 0.5s (data_plane.call_timeout_s)"
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        fast.close()
+    assert c.get_samples(["a", "b"], "wedged", ["x"])["x"].values.tolist() == [1.0, 2.0]
+    c.close()
