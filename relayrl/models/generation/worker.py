@@ -28,9 +28,6 @@ from relayrl.config import ColocatedConfig, PolicyConfig
 from relayrl.distributed import refit, refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.interfaces import Collective
-from relayrl.models.generation.hf_generation import HfGeneration
-from relayrl.models.policy.worker import load_causal_lm
-from relayrl.models.worker_base import move_module
 from relayrl.utils import device as dev
 
 
@@ -56,6 +53,13 @@ class GenerationWorker:
         max_total_sequence_length: int | None = None,
         seed: int = 0,
     ) -> None:
+        # The engine and the model loader (transformers' modelling stack) are imported here, in the process that
+        # generates: the driver and the Ray rollout actor only call this class's methods by reference, and importing
+        # them there cost every such process the stack's start-up for nothing.
+        from relayrl.models.generation.hf_generation import HfGeneration
+        from relayrl.models.policy.worker import load_causal_lm
+        from relayrl.models.worker_base import move_module
+
         self.rank = rank
         self.comm = comm  # generation workers never talk to each other; kept for the WorkerGroup contract
         self.device = dev.select_device(device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
