@@ -1,9 +1,9 @@
 """A run directory on a file system that refuses writes (issue 31, item 2): read-only from the start, turned read-only
-mid-run, or full. Each `relayrl train` runs in a private mount namespace (`unshare`), where the test may bind the run's
-directory read-only or mount a small tmpfs without touching the machine's mounts; a user's reward function turns the
-fault on inside step 2, once step 1's checkpoint is published. Exit 2 (at the start) or 1 (mid-run) with one line
-naming the path and why, no traceback; step 1's checkpoint intact and the resume point. Where no such namespace can
-be made (unprivileged user namespaces off, no `unshare`), the tests skip saying so.
+mid-run, or full. The `relayrl train` commands run in one Python process in a private mount namespace (`unshare`),
+where the test may bind a directory read-only or mount a small tmpfs without touching the machine's mounts; a user's
+reward function turns the fault on inside step 2, once step 1's checkpoint is published. Each fault: exit 2 (at the
+start) or 1 (mid-run) with one line naming the path and why, no traceback; step 1's checkpoint intact and the resume
+point. Where no such namespace can be made (unprivileged user namespaces off, no `unshare`), the tests skip saying so.
 """
 
 from __future__ import annotations
@@ -60,22 +60,26 @@ def fills_the_disk(prompts, completions, **columns):
 def namespace(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     """The first of `NAMESPACES` in which this user may bind read-only and mount a tmpfs; else the test skips."""
     probe = tmp_path_factory.mktemp("mount_probe")
-    why = "`unshare` or `mount` is not installed"
-    if shutil.which("unshare") and shutil.which("mount"):
-        for prefix in NAMESPACES:
-            cmd = [*prefix, "sh", "-c", PROBE, "sh", str(probe)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-            if proc.returncode == 0:
-                return prefix
-            why = f"`{shlex.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip() or 'no message'}"
-    pytest.skip(f"no private mount namespace to make a read-only or full file system in: {why}")
+    if not (shutil.which("unshare") and shutil.which("mount")):
+        pytest.skip("no private mount namespace to make a read-only or full file system in: no `unshare` or `mount`")
+    why = []
+    for prefix in NAMESPACES:
+        proc = subprocess.run(
+            [*prefix, "sh", "-c", PROBE, "sh", str(probe)], capture_output=True, text=True, timeout=60
+        )
+        if proc.returncode == 0:
+            return prefix
+        why.append(f"`{shlex.join(prefix)}`: exit {proc.returncode}, {proc.stderr.strip() or 'no message'}")
+    pytest.skip(f"no private mount namespace to make a read-only or full file system in: {'; '.join(why)}")
 
 
-def _run_args(model_dir: Path, tmp_path: Path, where: Path, fn: str) -> list[str]:
-    """A 2-step run checkpointed after every step, scored by `fn` of `REWARDS` (which acts on `where`)."""
-    rewards = tmp_path / "rewards.py"
+def _run_args(model_dir: Path, files: Path, where: Path, fn: str) -> list[str]:
+    """A 2-step run checkpointed after every step, scored by `fn` of `REWARDS` (acting on `where`), its reward module
+    and data written into `files`."""
+    files.mkdir()
+    rewards = files / f"{fn}.py"  # a module of its own per run: the two runs share one process
     rewards.write_text(REWARDS.format(where=str(where)))
-    data = tmp_path / "data.jsonl"
+    data = files / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n" for a in range(8)))
     return tiny_grpo_overrides(
         model_dir,
@@ -88,15 +92,58 @@ def _run_args(model_dir: Path, tmp_path: Path, where: Path, fn: str) -> list[str
     )
 
 
-def _train_cmd(run: Path, args: list[str], out: Path, name: str) -> str:
-    """`relayrl train` as a shell command whose stderr and exit code land in `out/name.err` and `out/name.rc`."""
-    cmd = shlex.join([sys.executable, "-m", "relayrl.cli.main", "train", "--run-dir", str(run), *args])
-    return f"{cmd} 2> {shlex.quote(str(out / name))}.err; echo $? > {shlex.quote(str(out / name))}.rc"
+#: `relayrl train` commands run in one Python process (one import of torch for them all), each command's stderr (fd 2,
+#: whatever writes it) and exit code landing in `OUT/NAME.err` and `OUT/NAME.rc`. Args: OUT, then [[NAME, ARGV], ...].
+CLI_CALLS = """
+import json, os, sys
+from relayrl.cli.main import main
+for name, argv in json.loads(sys.argv[2]):
+    with open(os.path.join(sys.argv[1], name + ".err"), "w") as err:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+    with open(os.path.join(sys.argv[1], name + ".rc"), "w") as rc:
+        rc.write(str(code))
+"""
 
 
-def _in_namespace(namespace: tuple[str, ...], script: str) -> None:
-    proc = subprocess.run([*namespace, "sh", "-c", script], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def faulted(namespace: tuple[str, ...], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's commands, run once: in `ro/` a run whose directory turns read-only in step 2, started on again,
+    and a new run there; in `full/` (a 16 MiB tmpfs, gone with the namespace: copied out to `out/full_run`) a run
+    whose disk fills in step 2. Returns the root holding `ro/`, `full/` and `out/`."""
+    root = tmp_path_factory.mktemp("faults_mounts")
+    ro, full, out = root / "ro", root / "full", root / "out"
+    for d in (ro, full, out):
+        d.mkdir()
+    read_only = _run_args(tiny_model_dir, root / "ro_files", ro, "turns_read_only")
+    calls = [
+        (
+            "full",
+            [
+                "train",
+                "--run-dir",
+                str(full / "run"),
+                *_run_args(tiny_model_dir, root / "full_files", full, "fills_the_disk"),
+            ],
+        ),
+        ("mid_run", ["train", "--run-dir", str(ro / "run"), *read_only]),  # step 2 binds `ro` read-only
+        ("again", ["train", "--run-dir", str(ro / "run")]),  # resuming it, still read-only
+        ("new", ["train", "--run-dir", str(ro / "new"), *read_only]),  # a new run directory there
+    ]
+    mount = f"mount -t tmpfs -o size=16m tmpfs {shlex.quote(str(full))}"
+    copy_out = f"cp -a {shlex.quote(str(full / 'run'))} {shlex.quote(str(out / 'full_run'))}"
+    cli = shlex.join([sys.executable, "-c", CLI_CALLS, str(out), json.dumps(calls)])
+    proc = subprocess.run(
+        [*namespace, "sh", "-c", f"{mount} && {{ {cli}; {copy_out}; }}"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
+    return root
 
 
 def _result(out: Path, name: str) -> tuple[int, str]:
@@ -107,27 +154,16 @@ def _result(out: Path, name: str) -> tuple[int, str]:
     return int((out / f"{name}.rc").read_text()), lines[0]
 
 
-def test_a_run_directory_turned_read_only_mid_run_and_started_on_again(namespace, tiny_model_dir, tmp_path):
-    disk, out = tmp_path / "disk", tmp_path / "out"
-    disk.mkdir(), out.mkdir()
-    run = disk / "run"
-    args = _run_args(tiny_model_dir, tmp_path, disk, "turns_read_only")
-    script = "; ".join(
-        [
-            _train_cmd(run, args, out, "mid_run"),  # step 2's reward function binds `disk` read-only
-            _train_cmd(run, [], out, "again"),  # resuming it, still read-only
-            _train_cmd(disk / "new", args, out, "new"),  # a new run directory there
-        ]
-    )
-    _in_namespace(namespace, script)
-
+def test_a_run_directory_turned_read_only_mid_run_and_started_on_again(faulted):
+    ro, out = faulted / "ro", faulted / "out"
+    run = ro / "run"
     code, line = _result(out, "mid_run")
     assert code == 1 and f"the checkpoint of step 2 could not be written to {run}/checkpoints/tmp_step_2" in line
     assert "(read-only file system; " in line and "MiB free there" in line and "stays the resume point" in line
     code, line = _result(out, "again")
     assert code == 2 and line == f"relayrl: error: cannot write in {run}/.owner.lock: Read-only file system"
     code, line = _result(out, "new")
-    assert code == 2 and line == f"relayrl: error: cannot write in {disk}/new: Read-only file system"
+    assert code == 2 and line == f"relayrl: error: cannot write in {ro}/new: Read-only file system"
 
     # nothing lost: step 1's checkpoint and metrics are whole, and where the directory is writable again it resumes
     assert [p.name for p in (run / "checkpoints").glob("*step_*")] == ["step_1"]
@@ -138,22 +174,14 @@ def test_a_run_directory_turned_read_only_mid_run_and_started_on_again(namespace
     assert verify_checkpoint(run / "checkpoints" / "step_2") is None
 
 
-def test_a_full_disk_under_the_checkpoint_writer_is_said_in_plain_words(namespace, tiny_model_dir, tmp_path):
-    """The run lives on a 16 MiB tmpfs that step 2's reward function fills but for room for the step's metrics:
-    torch's writer fails on the optimizer state with words of its own ("unexpected pos ..."); the line says the disk
-    is full. The tmpfs goes with the namespace, so the run is copied out for the checks. (A disk that fills before
-    the metrics line is `tests/unit/utils/test_logger.py`'s: one line naming metrics.jsonl.)"""
-    disk, out = tmp_path / "disk", tmp_path / "out"
-    disk.mkdir(), out.mkdir()
-    run = disk / "run"
-    args = _run_args(tiny_model_dir, tmp_path, disk, "fills_the_disk")
-    mount = f"mount -t tmpfs -o size=16m tmpfs {shlex.quote(str(disk))}"
-    copy_out = f"cp -a {shlex.quote(str(run))} {shlex.quote(str(out / 'run'))}"
-    _in_namespace(namespace, f"{mount} && {{ {_train_cmd(run, args, out, 'full')}; {copy_out}; }}")
-
-    code, line = _result(out, "full")
+def test_a_full_disk_under_the_checkpoint_writer_is_said_in_plain_words(faulted):
+    """Step 2's reward function fills the tmpfs but for room for the step's metrics lines: torch's writer fails on
+    the optimizer state with words of its own ("unexpected pos ..."); the line says the disk is full. (A disk that
+    fills before the metrics line is `tests/unit/utils/test_logger.py`'s: one line naming metrics.jsonl.)"""
+    run = faulted / "full" / "run"
+    code, line = _result(faulted / "out", "full")
     assert code == 1 and f"the checkpoint of step 2 could not be written to {run}/checkpoints/tmp_step_2/" in line
     assert "(no space left on device; 0 MiB free there)" in line and "unexpected pos" not in line
-    kept = out / "run" / "checkpoints"
+    kept = faulted / "out" / "full_run" / "checkpoints"
     assert [p.name for p in kept.glob("*step_*")] == ["step_1"]  # the failed write's files removed
     assert verify_checkpoint(kept / "step_1") is None
