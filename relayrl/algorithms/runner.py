@@ -25,6 +25,7 @@ from relayrl.utils.seeding import capture_rng_state
 from relayrl.utils.signals import GracefulStop, TrainingInterrupted
 from relayrl.utils.state_file import save_state_file
 from relayrl.utils.timer import TOTAL, UNACCOUNTED, TimeoutChecker, Timer, phase_remainder
+from relayrl.utils.write_failure import describe_write_failure
 
 __all__ = [
     "CheckpointIncompleteError",
@@ -231,18 +232,12 @@ def _write_failure(checkpointer: Checkpointer, step: int) -> Iterator[None]:
     except (WorkerDiedError, DeadlineError, ProducerDiedError, CheckpointIncompleteError):
         raise
     except Exception as exc:  # OSError, torch's RuntimeError, safetensors' SafetensorError: a write that failed
-        root = Path(getattr(checkpointer, "checkpoint_dir", "."))
-        where = getattr(exc, "filename", None) or root / f"tmp_step_{step}"
-        first = (str(exc).strip().splitlines() or [""])[0]
-        reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {first}"
-        try:
-            free = f"; {shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
-        except OSError:
-            free = ""
-        shutil.rmtree(root / f"tmp_step_{step}", ignore_errors=True)
+        tmp = Path(getattr(checkpointer, "checkpoint_dir", ".")) / f"tmp_step_{step}"
+        failed = describe_write_failure(exc, tmp)  # read from what the write left: before it is removed
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(
-            f"the checkpoint of step {step} could not be written to {where} ({reason}{free}); the newest complete "
-            "checkpoint stays the resume point"
+            f"the checkpoint of step {step} could not be written to {failed.where} ({failed.reason}"
+            f"{failed.free_text()}); the newest complete checkpoint stays the resume point"
         ) from exc
 
 

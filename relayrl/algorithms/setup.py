@@ -7,6 +7,7 @@ of the components (`components.py`).
 
 from __future__ import annotations
 
+import errno
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -380,6 +381,8 @@ def run_training(
         if isinstance(exc, deadlines.DeadlineError):  # a TimeoutError (so an OSError), but not bad input: exit 1
             raise
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)  # KeyError quotes its text
+        if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT) and exc.filename:
+            message = f"cannot write in {exc.filename}: {exc.strerror}"
         raise SetupError(message) from exc
     if announce:
         print(run_banner(cfg, run_dir), flush=True)

@@ -90,6 +90,7 @@ class Logger:
         self._jsonl_files: dict[str, TextIO] = {}
         self._skipped_warned: set[str] = set()
         self._closed = False
+        self._write_failed = False  # a write raised: closing may fail again on its buffered tail
 
         self._tb = None
         if cfg.tensorboard_enabled:
@@ -137,8 +138,7 @@ class Logger:
             return
         if self._metrics_file is not None:
             row = {"step": int(step), **{k: to_plain(v) for k, v in flat.items() if k != "step"}}
-            self._metrics_file.write(json.dumps(row) + "\n")
-            self._metrics_file.flush()
+            self._append(self._metrics_file, json.dumps(row) + "\n", self.run_dir / "metrics.jsonl")
         scalars: dict[str, float] = {}
         for name, value in flat.items():
             scalar = as_scalar(value)
@@ -184,10 +184,19 @@ class Logger:
                 oldest = next(iter(self._jsonl_files))
                 self._jsonl_files.pop(oldest).close()
         self._jsonl_files[filename] = f  # most recently used last
-        for row in rows:
-            f.write(json.dumps(to_plain(row)) + "\n")
-        f.flush()
+        self._append(f, "".join(json.dumps(to_plain(row)) + "\n" for row in rows), path)
         return path
+
+    def _append(self, f: TextIO, text: str, path: Path) -> None:
+        """Write and flush; a failed write (disk full, read-only) is an OSError naming `path`. Its unwritten tail
+        stays buffered: `close` drops it quietly, the first error being the one that counts (a partial last line is
+        dropped by the next reader)."""
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as exc:
+            self._write_failed = True
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
     def print_message(self, message: str) -> None:
         """Print above the live progress bar (or plainly when there is none)."""
@@ -253,7 +262,11 @@ class Logger:
             self._print_step_line(time.monotonic())
         for f in [self._metrics_file, *self._jsonl_files.values()]:
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:
+                    if not self._write_failed:
+                        raise
         self._metrics_file = None
         self._jsonl_files.clear()
         if self._tb is not None:

@@ -1,7 +1,9 @@
 """Commands on damaged runs verify what they read and fail with one line naming the damaged file (issue 31, item 3):
 `evaluate` and `export` check the checkpoint's manifest, `inspect`, `replay` and `diff` the recordings' Parquet
 footers and page checksums, `plot` says where it could not write. One tiny 2-step run serves the module; each test
-damages its own copy."""
+damages its own copy. The data-plane trainer's run covers the legacy trainer's too: both write checkpoints through the
+one step tail (`runner.StepTail.save`) and recordings through the one writer (`data_plane.recorder.write_step`), and
+these commands read them alike whichever trainer wrote them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Resume never silently changes the run, and a crash's half-written files never stop it (issue 31, items 1 and 2).
 
 One tiny 3-step run (checkpoints after every step, a cosine LR schedule, a JSONL dataset) is trained once for the
-module; each test damages a copy of it as a user's bad day would and runs `relayrl train` on it: exit 2 (or 1) with
-one `relayrl: error:` line and nothing of the run lost or rewritten, or exit 0 and the run continued exactly.
+module per trainer; each test damages a copy of it as a user's bad day would and runs `relayrl train` on it: exit 2
+(or 1) with one `relayrl: error:` line and nothing of the run lost or rewritten, or exit 0 and the run continued
+exactly. Probes whose code differs between the data-plane trainer (default) and the legacy one
+(`data_plane.enabled=false`) run on both (`BOTH_TRAINERS`); the others say which shared code they exercise.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,7 +35,13 @@ def _write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def _overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
+#: The overrides that select each GRPO trainer: rollout tensors in the data plane's store (default), or in the driver.
+TRAINERS = {"data_plane": (), "legacy": ("data_plane.enabled=false",)}
+#: A probe whose code differs between the trainers: run on a copy of each trainer's run (`run` takes the param).
+BOTH_TRAINERS = pytest.mark.parametrize("run", list(TRAINERS), indirect=True)
+
+
+def _overrides(model_dir: Path, data: Path, steps: int, trainer: str = "data_plane") -> list[str]:
     return tiny_grpo_overrides(
         model_dir,
         *CHECKPOINT_EVERY_STEP,
@@ -42,26 +51,37 @@ def _overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
         "data.train.source=file",
         f"data.train.path={data}",
         f"grpo.max_num_steps={steps}",
+        *TRAINERS[trainer],
     )
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    root = tmp_path_factory.mktemp("faults_resume")
-    data = _write_rows(root / "data.jsonl", ROWS)
-    run = root / "run"
-    assert main(["train", "--run-dir", str(run), *_overrides(tiny_model_dir, data, 3)]) == 0
-    return run
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Callable[[str], Path]:
+    """The module's 3-step run of a trainer, trained on its first use."""
+    runs: dict[str, Path] = {}
+
+    def of(trainer: str) -> Path:
+        if trainer not in runs:
+            root = tmp_path_factory.mktemp(f"faults_resume_{trainer}")
+            data = _write_rows(root / "data.jsonl", ROWS)
+            run = root / "run"
+            assert main(["train", "--run-dir", str(run), *_overrides(tiny_model_dir, data, 3, trainer)]) == 0
+            runs[trainer] = run
+        return runs[trainer]
+
+    return of
 
 
 @pytest.fixture
-def run(trained: Path, tmp_path: Path) -> Path:
-    """A copy of the trained run whose config reads its own copy of the data (so a test may change it)."""
+def run(request: pytest.FixtureRequest, trained: Callable[[str], Path], tmp_path: Path) -> Path:
+    """A copy of a trainer's run (the data-plane one unless the test is `BOTH_TRAINERS`) whose config reads its own
+    copy of the data (so a test may change it)."""
+    trained_run = trained(getattr(request, "param", "data_plane"))
     copy = tmp_path / "run"
-    shutil.copytree(trained, copy)
-    data = shutil.copy(trained.parent / "data.jsonl", tmp_path / "data.jsonl")
+    shutil.copytree(trained_run, copy)
+    data = shutil.copy(trained_run.parent / "data.jsonl", tmp_path / "data.jsonl")
     config = copy / "config.yaml"  # the checkpoints' own copies are sealed by their manifests: left as they are
-    config.write_text(config.read_text().replace(str(trained.parent / "data.jsonl"), str(data)))
+    config.write_text(config.read_text().replace(str(trained_run.parent / "data.jsonl"), str(data)))
     return copy
 
 
@@ -86,6 +106,8 @@ def _train(run: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[i
     return code, capsys.readouterr().err
 
 
+# The config.yaml probes: the CLI refuses before any trainer is chosen (`config_io.check_recorded_config`), so the
+# data-plane run covers both trainers.
 def test_a_missing_config_is_one_line_and_never_the_defaults(run, capsys):
     (run / "config.yaml").unlink()
     before = _snapshot(run)
@@ -116,10 +138,13 @@ def _damage(step_dir: Path) -> None:
     weights.write_bytes(bytes(data))
 
 
+@BOTH_TRAINERS  # each trainer's policy takes the weights (legacy: `lm_policy.Policy`, else via the store's facade)
 def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(run, capsys):
     _damage(run / "checkpoints" / "step_3")
+    step_3 = metrics_by_step(run)[3]
     code, err = _train(run, capsys, "grpo.max_num_steps=4")
     assert code == 0 and "Traceback" not in err, err
+    assert metrics_by_step(run)[3] == step_3  # step 3 again from step_2: exactly the step it was
     skipped = [ln for ln in err.splitlines() if "Skipping checkpoint" in ln]
     assert len(skipped) == 1 and "step_3" in skipped[0] and "model.safetensors does not match its sha256" in skipped[0]
     assert verify_checkpoint(run / "checkpoints" / "step_4") is None
@@ -127,6 +152,8 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumes(run, ca
     assert info["total_steps"] == 4 and info["schedule_steps"] == 3
 
 
+# Which checkpoint to resume, and the refusal to start over, are set-up's (`resume.refuse_lost_checkpoints`), before
+# the trainer's kind matters: one trainer covers both.
 def test_no_intact_checkpoint_refuses_to_start_over_unless_restart(run, capsys):
     for step in (1, 2, 3):
         _damage(run / "checkpoints" / f"step_{step}")
@@ -148,6 +175,7 @@ def _lr_by_step(run: Path) -> dict[int, float]:
     return {step: row["train/lr"] for step, row in metrics_by_step(run, ("train/lr",)).items()}
 
 
+@BOTH_TRAINERS  # the horizon is set-up's, but each trainer's policy builds the scheduler and its step logs train/lr
 def test_more_steps_continue_the_same_lr_schedule(run, capsys):
     lr = _lr_by_step(run)
     assert lr[1] > lr[2] > lr[3] > LR * MIN_LR_RATIO  # decaying over the 3 steps the run was started with
@@ -159,6 +187,7 @@ def test_more_steps_continue_the_same_lr_schedule(run, capsys):
     assert math.isclose(min(resumed.values()), LR * MIN_LR_RATIO)
 
 
+# The training set is checked in set-up (`resume.check_dataset`) before the trainer's kind matters: one covers both.
 @pytest.mark.parametrize("change", ["shrank", "edited"])
 def test_a_dataset_that_changed_since_the_checkpoint_is_one_line(run, capsys, change):
     data = run.parent / "data.jsonl"
@@ -177,6 +206,8 @@ def test_a_dataset_that_changed_since_the_checkpoint_is_one_line(run, capsys, ch
         assert code == 0 and 4 in metrics_by_step(run)
 
 
+# The one logger every trainer writes through (`utils.logger`, the step tail in `runner`) repairs the line: one covers
+# both.
 def test_a_partial_last_metrics_line_is_dropped_with_a_warning(run, capsys):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "train/lo')  # the writer died mid-line
@@ -191,7 +222,9 @@ def test_a_partial_last_metrics_line_is_dropped_with_a_warning(run, capsys):
 
 
 def test_a_failed_checkpoint_write_is_one_line_and_the_previous_checkpoint_resumes(run, capsys):
-    """Writes past 200 kB fail (RLIMIT_FSIZE, as on a full disk): the step-4 checkpoint cannot be written."""
+    """Writes past 200 kB fail (RLIMIT_FSIZE, as on a full disk): the step-4 checkpoint cannot be written. Both trainers
+    write checkpoints through the same step tail (`runner.StepTail.save`) into the same policy class (the data-plane
+    facade hands `save_checkpoint` to `lm_policy.Policy`): the data-plane run covers both."""
     limit = 200_000
 
     def small_files() -> None:
@@ -206,7 +239,9 @@ def test_a_failed_checkpoint_write_is_one_line_and_the_previous_checkpoint_resum
     )
     line = _one_error(proc.stderr)
     assert proc.returncode == 1 and "the checkpoint of step 4 could not be written to" in line
-    assert f"{run}/checkpoints/tmp_step_4 (" in line and "MiB free there" in line and "stays the resume point" in line
+    where = f"{run}/checkpoints/tmp_step_4/policy/optimizer/optimizer.pt"  # torch's writer, cut at the limit
+    assert f"{where} (file size limit exceeded: the process may write files of at most {limit} bytes" in line
+    assert "MiB free there" in line and "stays the resume point" in line and "unexpected pos" not in line
     names = sorted(p.name for p in (run / "checkpoints").iterdir() if "step_" in p.name)
     assert names == ["step_1", "step_2", "step_3"] and verify_checkpoint(run / "checkpoints" / "step_3") is None
     code, err = _train(run, capsys, "grpo.max_num_steps=4")  # resumes from step 3, as the line says
@@ -238,12 +273,13 @@ def never_returns(prompts, completions, **columns):
     ],
     ids=["nan", "sys_exit", "deadline"],
 )
-def test_a_misbehaving_reward_function_is_one_line(tmp_path, tiny_model_dir, capsys, fn, code, expected):
+@pytest.mark.parametrize("trainer", list(TRAINERS))  # the legacy trainer rolls out in the driver and guards its batch
+def test_a_misbehaving_reward_function_is_one_line(tmp_path, tiny_model_dir, capsys, fn, code, expected, trainer):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)
     data = _write_rows(tmp_path / "data.jsonl", ROWS[:8])
     run = tmp_path / "run"
-    args = [*_overrides(tiny_model_dir, data, 2), "data.shuffle=false", f"env.reward_fns=[{rewards}:{fn}]"]
+    args = [*_overrides(tiny_model_dir, data, 2, trainer), "data.shuffle=false", f"env.reward_fns=[{rewards}:{fn}]"]
     got, err = _train(run, capsys, *args, "env.reward_timeout_s=1")
     line = _one_error(err)
     assert got == code and expected in line and f"`relayrl train --run-dir {run}` resumes" in line
@@ -252,7 +288,9 @@ def test_a_misbehaving_reward_function_is_one_line(tmp_path, tiny_model_dir, cap
 
 def test_a_second_ctrl_c_stops_async_grpo_with_a_hung_reward_function_within_seconds(tmp_path, tiny_model_dir):
     """The producer thread is stuck in the reward function (deadline 600 s): the first Ctrl-C asks for a stop after
-    the step, the second stops the process within the CLI's 5 s clean-up deadline, generation process included."""
+    the step, the second stops the process within the CLI's 5 s clean-up deadline, generation process included.
+    Asynchronous GRPO runs on the data plane only (refused with `data_plane.enabled=false`); the synchronous
+    trainers' reward deadline is `test_a_misbehaving_reward_function_is_one_line`'s, on both."""
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)
     data = _write_rows(tmp_path / "data.jsonl", ROWS[:8])

@@ -65,6 +65,18 @@ def test_metrics_jsonl_appends_on_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (every write fails: no space left)")
+def test_a_failed_write_names_its_file_and_closing_leaves_that_error_alone(tmp_path: Path) -> None:
+    """A full disk: the OSError names the file (a flushed buffer's has no name); closing, which tries the buffered
+    tail once more, raises nothing after it, so the first error is the one reported."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    log = Logger(_cfg(), tmp_path, console=_plain_console()[0])
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        log.log_metrics({"loss": 1.0}, step=1, prefix="train")
+    assert failed.value.filename == str(tmp_path / "metrics.jsonl")
+    log.close()
+
+
 def test_tensorboard_scalars_only(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
