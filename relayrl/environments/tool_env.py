@@ -337,11 +337,14 @@ class ToolEnvironment(EnvironmentInterface):
             ) from exc
 
     def rollout_metrics(self) -> dict[str, float]:
-        """`<prefix>/<counter>` since the last call (then reset), tool latency as a mean per call, and the reward
-        functions' `reward/<name>`."""
+        """`<prefix>/<counter>` since the last call (then reset), tool latency as a mean per call, the share of the
+        model's calls that parsed (`tool_call_validity`; absent when it made none), and the reward functions'
+        `reward/<name>`."""
         c, p = self._counts, self.metric_prefix
         out = {f"{p}/{k}": v for k, v in c.items() if k != "tool_latency_s"}
         out[f"{p}/tool_latency_s"] = c["tool_latency_s"] / c["tool_calls"] if c["tool_calls"] else 0.0
+        if c["tool_calls"] + c["invalid_tool_calls"]:
+            out[f"{p}/tool_call_validity"] = c["tool_calls"] / (c["tool_calls"] + c["invalid_tool_calls"])
         self._counts = dict.fromkeys(COUNTERS, 0.0)
         if self.reward_fns is not None:
             out.update(self.reward_fns.rollout_metrics())

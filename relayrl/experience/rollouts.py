@@ -399,6 +399,11 @@ def aggregate_rollout_metrics(metric_dicts: Sequence[dict[str, Any]]) -> dict[st
             out[k] = sum(vs)
         else:
             out[k] = sum(vs) / len(vs)
+    for k in [k for k in out if k.endswith("/tool_call_validity")]:  # pooled over the batches, not a mean of ratios
+        prefix = k.removesuffix("tool_call_validity")
+        valid, invalid = out.get(prefix + "tool_calls", 0.0), out.get(prefix + "invalid_tool_calls", 0.0)
+        if valid + invalid:
+            out[k] = valid / (valid + invalid)
     return out
 
 

@@ -40,7 +40,7 @@ OPTIONAL_PANELS: list[tuple[str, str]] = [
 #: Drawn for a run that played environment classes (issue 26), per environment prefix (`train/env/`, or
 #: `train/env/<name>/` with several): the share of tool calls that were valid (derived: `tool_calls` over
 #: `tool_calls + invalid_tool_calls`), turns per episode, and the mean tool latency per call.
-VALID_CALLS = "valid_tool_call_rate"
+VALID_CALLS = "tool_call_validity"
 TOOL_PANELS: list[tuple[str, str]] = [
     ("Tool-call validity (valid / all calls)", VALID_CALLS),
     ("Tool latency per call (s)", "tool_latency_s"),
@@ -137,10 +137,11 @@ def tool_panels(series: dict[str, list[tuple[int, float]]]) -> list[tuple[str, s
     )
     panels: list[tuple[str, str]] = []
     for prefix in prefixes:
-        valid = dict(series.get(prefix + "tool_calls", []))
-        invalid = dict(series.get(prefix + "invalid_tool_calls", []))
-        calls = {s: valid.get(s, 0.0) + invalid.get(s, 0.0) for s in sorted({*valid, *invalid})}
-        series[prefix + VALID_CALLS] = [(s, valid.get(s, 0.0) / n) for s, n in calls.items() if n > 0]
+        if prefix + VALID_CALLS not in series:  # runs logged before the environment logged it
+            valid = dict(series.get(prefix + "tool_calls", []))
+            invalid = dict(series.get(prefix + "invalid_tool_calls", []))
+            calls = {s: valid.get(s, 0.0) + invalid.get(s, 0.0) for s in sorted({*valid, *invalid})}
+            series[prefix + VALID_CALLS] = [(s, valid.get(s, 0.0) / n) for s, n in calls.items() if n > 0]
         panels += [(title, prefix + key) for title, key in TOOL_PANELS]
     return [TURNS_PANEL, *panels] if prefixes else []
 

@@ -167,7 +167,9 @@ def test_episode_reset_tools_errors_counts_and_rewards() -> None:
     metrics = env.rollout_metrics()
     assert metrics["env/tool_calls"] == 2 and metrics["env/tool_errors"] == 1
     assert metrics["env/invalid_tool_calls"] == 1 and metrics["env/episodes"] == 3
-    assert "reward/used_tools" in metrics and env.rollout_metrics()["env/tool_calls"] == 0
+    assert metrics["env/tool_call_validity"] == pytest.approx(2 / 3)  # 2 calls parsed of 3 the model made
+    after = env.rollout_metrics()  # reset: no call since, so no validity (never a made-up 0 or 1)
+    assert "reward/used_tools" in metrics and after["env/tool_calls"] == 0 and "env/tool_call_validity" not in after
     assert not env._episodes
 
 

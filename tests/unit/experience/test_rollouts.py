@@ -346,6 +346,18 @@ def test_message_advantage_overrides() -> None:
     assert math.isnan(got[0]) and got[1:4] == [-7.0, -7.0, -5.0] and math.isnan(got[4])
 
 
+def test_tool_call_validity_is_pooled_over_batches_not_a_mean_of_ratios() -> None:
+    """Batch 1: 1 valid call of 4 (0.25); batch 2: 6 of 6 (1.0). Pooled: 7 of 10, where a mean of ratios says 0.625."""
+    agg = aggregate_rollout_metrics(
+        [
+            {"env/tool_calls": 1.0, "env/invalid_tool_calls": 3.0, "env/tool_call_validity": 0.25},
+            {"env/tool_calls": 6.0, "env/invalid_tool_calls": 0.0, "env/tool_call_validity": 1.0},
+        ]
+    )
+    assert agg["env/tool_call_validity"] == pytest.approx(0.7)
+    assert agg["env/tool_calls"] == 3.5 and agg["env/invalid_tool_calls"] == 1.5  # counters: means per batch
+
+
 def test_aggregate_rollout_metrics() -> None:
     agg = aggregate_rollout_metrics(
         [

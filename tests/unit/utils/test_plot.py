@@ -137,8 +137,8 @@ def test_tool_panels_draw_validity_turns_and_latency_for_environment_runs(tmp_pa
     panels = tool_panels(series)
     assert [key for _, key in panels] == [
         "train/avg_turns_per_sample",
-        "train/env/valid_tool_call_rate",
+        "train/env/tool_call_validity",
         "train/env/tool_latency_s",
     ]
-    assert series["train/env/valid_tool_call_rate"] == [(1, 0.75), (3, 1.0), (4, 0.5)]  # step 2 made no call
+    assert series["train/env/tool_call_validity"] == [(1, 0.75), (3, 1.0), (4, 0.5)]  # step 2 made no call
     assert mpimg.imread(plot_run(tmp_path)).shape[:2] == (1600, 1200)  # 9 panels -> 5 rows
