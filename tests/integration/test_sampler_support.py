@@ -22,7 +22,8 @@ def _run(tmp_path: Path, model: Path, name: str, *extra: str) -> dict[int, dict]
 def test_async_age_one_counts_support_mismatches_only_on_stale_batches(tmp_path, tiny_model_dir):
     # the shipped model earns rewards from step 1, so the update between versions is not zero
     shipped = ("policy.model_name=builtin:tiny-arith", "policy.generation.max_new_tokens=16")
-    runs = _run(tmp_path, tiny_model_dir, "async", *shipped, "grpo.max_num_steps=2", "grpo.async_grpo.enabled=true")
+    on_async = ("grpo.async_grpo.enabled=true", "grpo.async_grpo.generator=thread")  # no generation process to start
+    runs = _run(tmp_path, tiny_model_dir, "async", *shipped, "grpo.max_num_steps=2", *on_async)
     assert [runs[s][MISMATCH] == 0 for s in (1, 2)] == [True, False]  # batch 1: the weights it trains
     assert all(runs[s]["train/sampling/support_unrecorded"] == 0 for s in (1, 2))
 
