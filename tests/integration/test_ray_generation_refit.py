@@ -92,13 +92,16 @@ def test_both_refit_methods_after_a_training_step(
     monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))  # ZMQ IPC sockets private to this test
     cluster = ClusterConfig(executor="ray", workers_per_node=2)
     results = {}
-    for name, colocated in (
-        ("zmq_ipc", {"enabled": True}),
-        ("collective", {"enabled": False, "resources": {"num_nodes": 1, "workers_per_node": 2}}),
-    ):
-        cfg = config(tiny_model_dir, colocated)
-        policy = Policy(cfg, char_tokenizer, cluster=cluster, init_reference_model=False)
-        try:
+    # one policy (its ranks do not depend on how generation is placed) serves both methods, each trained a step more
+    policy = Policy(
+        config(tiny_model_dir, {"enabled": True}), char_tokenizer, cluster=cluster, init_reference_model=False
+    )
+    try:
+        for name, colocated in (
+            ("zmq_ipc", {"enabled": True}),
+            ("collective", {"enabled": False, "resources": {"num_nodes": 1, "workers_per_node": 2}}),
+        ):
+            cfg = config(tiny_model_dir, colocated)
             gen = DistributedGeneration(
                 cfg.generation, char_tokenizer, policy, cluster=cluster, policy_config=cfg, seed=3
             )
@@ -118,8 +121,8 @@ def test_both_refit_methods_after_a_training_step(
                     gen.prepare_for_generation()
             finally:
                 gen.shutdown()
-        finally:
-            policy.shutdown()
+    finally:
+        policy.shutdown()
     for name, m in results.items():
         print(
             f"refit {name}: {m['refit/time_s'] * 1e3:.1f} ms for {m['refit/bytes'] / 2**20:.2f} MB received "
