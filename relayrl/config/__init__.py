@@ -267,6 +267,12 @@ class MasterConfig(Strict):
             )
         if r.stop_at_validation_metric == "pass_k" and r.val_num_generations_per_prompt <= 1:
             raise ValueError(f"{block}.stop_at_validation_metric 'pass_k' requires val_num_generations_per_prompt > 1")
+        copies = self.data.validation.repeat if self.data.validation is not None else 1
+        if copies > 1 and r.val_greedy:
+            raise ValueError(
+                f"data.validation.repeat={copies} with {block}.val_greedy=true: greedy decoding answers every copy "
+                f"alike; set {block}.val_greedy=false (each copy sampled, as NeMo RL validates) or repeat 1"
+            )
         if r.max_val_samples % r.val_batch_size and r.max_val_samples > r.val_batch_size:
             raise ValueError(f"{block}.max_val_samples must be a multiple of {block}.val_batch_size")
         if r.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
