@@ -129,7 +129,8 @@ def _read(path: Any, key: str) -> str:
 
 
 def _is_nemo_entry(value: Any) -> bool:
-    return isinstance(value, dict) and bool(set(value) & (_ENTRY_KEYS - {"split", "subset", "split_validation_size"}))
+    shared = {"split", "subset", "split_validation_size", "repeat"}  # relayrl's dataset keys too
+    return isinstance(value, dict) and bool(set(value) & (_ENTRY_KEYS - shared))
 
 
 def translate_data(t: Rules, section: str) -> None:

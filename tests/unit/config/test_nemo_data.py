@@ -65,6 +65,8 @@ def test_aime_and_math500_are_read_as_nemo_rl_repeats_them(hf_cache: Path) -> No
     assert val is not None and [r.prompt for r in val] == ["M1", "M2", "M1", "M2"]  # whole copies, in order
     once = load({"data": {"train": {"dataset_name": "gsm8k"}, "validation": {"dataset_name": "math500", "repeat": 1}}})
     assert once.data.validation is not None and (once.data.validation.repeat, once.grpo.val_greedy) == (1, True)
+    own = {"data": {"validation": {"source": "hf", "path": "org/set", "repeat": 3}}, "grpo": {"val_greedy": False}}
+    assert translate_nemo_layout(own).config == own  # relayrl's own key: its layout passes through untouched
     with pytest.raises(ValueError, match="data.validation.repeat=16 with grpo.val_greedy=true: greedy decoding"):
         MasterConfig.model_validate({"data": {"validation": {**aime.data.validation.model_dump(), "repeat": 16}}})
 
