@@ -20,7 +20,7 @@ from relayrl.config import MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 
-__all__ = ["apply_dynamic_sampling", "dynamic_sampling", "group_reward_spread"]
+__all__ = ["apply_dynamic_sampling", "dynamic_sampling", "dynamic_sampling_on_meta", "group_reward_spread"]
 
 
 def group_reward_spread(
@@ -90,6 +90,12 @@ def dynamic_sampling(
     return batch_cache.slice(0, target), True, None, metrics
 
 
+#: (pending_meta, pending_carry, pending_unfiltered_rewards, is_complete, ds_metrics, unfiltered_for_log)
+MetaFilterResult = tuple[
+    KVBatchMeta | None, BatchedDataDict | None, list[torch.Tensor], bool, dict[str, float], torch.Tensor | None
+]
+
+
 def apply_dynamic_sampling(
     *,
     meta: KVBatchMeta,
@@ -101,11 +107,38 @@ def apply_dynamic_sampling(
     num_gen_batches: int,
     max_gen_batches: int,
     policy: DataPlanePolicy,
-    section: str = "grpo",
-) -> tuple[KVBatchMeta | None, BatchedDataDict | None, list[torch.Tensor], bool, dict[str, float], torch.Tensor | None]:
+) -> MetaFilterResult:
+    """The reference's signature (GRPO's block names the limit): `dynamic_sampling_on_meta` with section grpo."""
+    return dynamic_sampling_on_meta(
+        meta=meta,
+        driver_carry=driver_carry,
+        pending_meta=pending_meta,
+        pending_carry=pending_carry,
+        pending_unfiltered_rewards=pending_unfiltered_rewards,
+        train_prompts_size=train_prompts_size,
+        num_gen_batches=num_gen_batches,
+        max_gen_batches=max_gen_batches,
+        policy=policy,
+        section="grpo",
+    )
+
+
+def dynamic_sampling_on_meta(
+    *,
+    meta: KVBatchMeta,
+    driver_carry: BatchedDataDict,
+    pending_meta: KVBatchMeta | None,
+    pending_carry: BatchedDataDict | None,
+    pending_unfiltered_rewards: list[torch.Tensor],
+    train_prompts_size: int,
+    num_gen_batches: int,
+    max_gen_batches: int,
+    policy: DataPlanePolicy,
+    section: str,
+) -> MetaFilterResult:
     """One dynamic-sampling iteration on metadata: drop zero-std rows (and their keys from the store), merge the
     survivors into the pending cache, report whether it reached `train_prompts_size` rows. `section` is the
-    algorithm block the limit is read from, for the message.
+    algorithm block (`grpo`, `ppo`) whose `dynamic_sampling_max_gen_batches` the failure names.
 
     Returns (pending_meta, pending_carry, pending_unfiltered_rewards, is_complete, ds_metrics, unfiltered_for_log);
     when complete, the pending meta/carry *are* the training batch and `unfiltered_for_log` holds every reward

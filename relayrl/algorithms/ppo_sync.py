@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from relayrl.algorithms.dynamic_sampling import apply_dynamic_sampling, group_reward_spread
+from relayrl.algorithms.dynamic_sampling import dynamic_sampling_on_meta, group_reward_spread
 from relayrl.algorithms.gae import (
     GeneralizedAdvantageEstimator,
     RawRewardAdvantageEstimator,
@@ -270,7 +270,7 @@ class PPOSyncSteps:
         _, std = group_reward_spread(carry["prompt_group"].unsqueeze(-1), rewards, unshaped)  # [B]
         meta.stamp_tags({"std": std.tolist()})
         self.pending_meta, self.pending_carry, self.pending_rewards, complete, ds_metrics, unfiltered = (
-            apply_dynamic_sampling(
+            dynamic_sampling_on_meta(
                 meta=meta,
                 driver_carry=carry,
                 pending_meta=self.pending_meta,
