@@ -30,6 +30,7 @@ def save_to_cache(cache: Path, repo_id: str, config: str, split: str, rows: list
     `<cache>/<org>___<name>/<config>/<version>/<hash>/<name>-<split>.arrow` plus its dataset_info.json."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from datasets.naming import camelcase_to_snakecase
     from datasets.packaged_modules.parquet.parquet import Parquet
 
     org, name = repo_id.split("/")
@@ -41,8 +42,14 @@ def save_to_cache(cache: Path, repo_id: str, config: str, split: str, rows: list
         cache_dir=str(cache), dataset_name=folder, config_name=config, hash="0" * 16, data_files={split: str(source)}
     )
     builder.download_and_prepare()
-    root = cache / folder  # the builder names the config after its data files and the files after the folder
+    built = camelcase_to_snakecase(folder)  # the builder snake-cases the whole name (HuggingFaceH4 -> hugging_face_h4)
+    snake = camelcase_to_snakecase(name)  # load_dataset looks under <org>___<snake-cased name> (MATH-500 -> math-500)
+    root = (
+        cache / f"{org}___{snake}"
+    )  # the builder names the config after its data files and the files after the folder
+    if cache / built != root:
+        shutil.move(cache / built, root)
     for config_dir in glob.glob(str(root / f"{config}-*")):
         shutil.move(config_dir, root / config)
     for arrow in glob.glob(str(root / config / "*" / "*" / "*.arrow")):
-        os.rename(arrow, arrow.replace(f"{folder}-", f"{name}-"))
+        os.rename(arrow, arrow.replace(f"{built}-", f"{snake}-"))

@@ -19,6 +19,7 @@ from relayrl.algorithms.advantages import (
     clip_advantages,
     message_level_advantages,
 )
+from relayrl.algorithms.dynamic_sampling import dynamic_sampling
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.logprob_error import compute_seq_logprob_error_metrics
 from relayrl.algorithms.protocols import BatchLoader, Generation, Policy, Tokenizer
@@ -297,51 +298,3 @@ class GRPOSteps:
         if self.flag_to_adv:
             advantages = apply_advantage_overrides(advantages, flat["advantage_override"])
         return clip_advantages(advantages, self.g.advantage_clip_low, self.g.advantage_clip_high)
-
-
-def dynamic_sampling(
-    repeated_batch: BatchedDataDict,
-    std: torch.Tensor,
-    baseline: torch.Tensor,
-    num_gen_batches: int,
-    cfg: MasterConfig,
-    batch_cache: BatchedDataDict | None = None,
-    pad_value_dict: dict[str, int] | None = None,
-) -> tuple[BatchedDataDict, bool, BatchedDataDict | None, dict[str, float]]:
-    """DAPO dynamic sampling on a BatchedDataDict. Returns (batch, is_complete, cache, metrics).
-
-    Rows whose group has zero reward std carry no learning signal and are dropped; survivors accumulate across
-    generation batches until `num_prompts_per_step × G` rows exist (extra rows are discarded and counted).
-    Raises once more than `dynamic_sampling_max_gen_batches` generation batches failed to reach the target.
-    """
-    if batch_cache is not None and not isinstance(batch_cache, BatchedDataDict):  # e.g. the reference's timer
-        raise TypeError(
-            f"dynamic_sampling's batch_cache must be a BatchedDataDict or None, got {type(batch_cache).__name__} "
-            "(relayrl's dynamic_sampling takes no timer argument)"
-        )
-    g = cfg.grpo
-    repeated_batch["baseline"] = baseline  # [B]
-    repeated_batch["std"] = std  # [B]
-    if not g.use_dynamic_sampling:
-        return repeated_batch, True, batch_cache, {}
-    target = g.num_prompts_per_step * g.num_generations_per_prompt
-    kept = torch.nonzero(std != 0).flatten()
-    if kept.numel():
-        filtered = repeated_batch.select_indices(kept)
-        filtered["filtered_reward"] = filtered["total_reward"]
-        batch_cache = (
-            filtered if batch_cache is None else BatchedDataDict.from_batches([batch_cache, filtered], pad_value_dict)
-        )
-    metrics: dict[str, float] = {"dynamic_sampling_num_gen_batches": num_gen_batches}
-    have = 0 if batch_cache is None else batch_cache.size
-    if have < target:
-        if num_gen_batches > g.dynamic_sampling_max_gen_batches:
-            raise ValueError(
-                f"dynamic sampling reached the maximum allowed number of generation batches "
-                f"(grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches}) with only "
-                f"{have}/{target} rows of non-zero reward std; raise the limit or check the reward"
-            )
-        return repeated_batch, False, batch_cache, metrics
-    assert batch_cache is not None
-    metrics["dynamic_sampling_num_discarded_valid_samples"] = have - target
-    return batch_cache.slice(0, target), True, None, metrics

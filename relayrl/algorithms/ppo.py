@@ -1,6 +1,7 @@
 """PPO, legacy path: actor-critic training with GAE; every rollout tensor travels through the driver.
 
 The step follows the reference's (NeMo RL's) order: repeat → generate → rewards (scaling/shaping, overlong filtering) →
+dynamic sampling when on (GRPO's filter: groups without reward spread are dropped before the critic sees them) →
 loss masks on every assistant message → values → prev/reference logprobs → logprob-error masking → advantages and
 returns → `ppo_epochs` × (critic update, then actor update unless in critic warm-up) → validate → checkpoint (policy
 and critic) → log `train/*` and `critic/*`. The loop, validation and step tail are every trainer's (`runner.py`,
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from relayrl.algorithms.dynamic_sampling import dynamic_sampling, group_reward_spread
 from relayrl.algorithms.gae import (
     GeneralizedAdvantageEstimator,
     RawRewardAdvantageEstimator,
@@ -123,12 +125,18 @@ class PPOSteps:
         self.skip_ref = not cfg.reference_model_needed
         self.pad_id = tokenizer.pad_token_id
         self.validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
+        # dynamic sampling collects groups across generation batches until a step's worth survives
+        self.batch_cache: BatchedDataDict | None = None
+        self.num_gen_batches = 0
+        self.pending_rewards: list[torch.Tensor] = []  # every reward generated this step, for train/reward
+        self.skipped = 0  # samples dropped this step for a non-finite reward (non_finite: skip)
 
     def close(self) -> None:
         """Nothing to release: the legacy trainer owns no actor."""
 
-    def step(self, batch: BatchedDataDict, step: int) -> StepOutput:
+    def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
         timer, p, policy, value = self.timer, self.p, self.policy, self.value
+        self.num_gen_batches += 1
         with timer.time("data_processing"):  # repeat prompts G times; flattened prompts identify groups
             repeated = batch.repeat_interleave(p.num_generations_per_prompt)
             prompt_flat, _ = batched_message_log_to_flat_message(
@@ -143,8 +151,18 @@ class PPOSteps:
             )
             if drop is not None:  # non_finite: skip
                 repeated["loss_multiplier"] = repeated["loss_multiplier"].masked_fill(drop, 0)
+                self.skipped += int(drop.sum())
             lengths = functools.partial(first_assistant_lengths, repeated["message_log"])
-            rewards, _ = post_process_rewards(repeated["total_reward"], repeated["truncated"], lengths, p)  # [B]
+            rewards, unshaped = post_process_rewards(repeated["total_reward"], repeated["truncated"], lengths, p)  # [B]
+        reward_for_log = rewards  # [B] every reward generated for the step
+        ds_metrics: dict[str, float] = {}
+        if p.use_dynamic_sampling:
+            with timer.time("dynamic_sampling"):  # drop zero-std groups, accumulate survivors across generation batches
+                kept = self._dynamic_sampling(repeated, prompt_ids, rewards, unshaped)
+            if kept is None:
+                return None
+            repeated, reward_for_log, ds_metrics = kept
+            prompt_ids, rewards = repeated["prompt_ids"], repeated["filtered_reward"]  # [B, P], [B]
         with timer.time("data_processing"):
             train_data, filter_metrics = build_ppo_train_data(repeated, rewards, self.pad_id, self.cfg)
         with timer.time("value_inference"):
@@ -190,7 +208,7 @@ class PPOSteps:
             metrics.update(
                 driver_bytes=float(driver_nbytes(train_data)),  # the legacy path moves every byte through the driver
                 **ppo_step_metrics(
-                    rewards,
+                    reward_for_log,
                     repeated["length"],
                     float(train_data["input_lengths"].sum()),
                     train_policy,
@@ -198,13 +216,35 @@ class PPOSteps:
                     rollout_metrics,
                     seq_err_metrics,
                     filter_metrics,
+                    ds_metrics,
+                    repeated.get("filtered_reward"),
                 ),
             )
             self.logger.log_metrics(critic_metrics, step, prefix="critic")
             samples = message_log_sample_rows(repeated["message_log"], rewards, step, self.cfg)
-            if drop is not None:
-                metrics["non_finite_samples_skipped"] = float(drop.sum())
+            if self.skipped:
+                metrics["non_finite_samples_skipped"], self.skipped = float(self.skipped), 0
+            self.num_gen_batches = 0
             return StepOutput(metrics, samples, {"critic": critic_metrics})
+
+    def _dynamic_sampling(
+        self, repeated: BatchedDataDict, prompt_ids: torch.Tensor, rewards: torch.Tensor, unshaped: torch.Tensor | None
+    ) -> tuple[BatchedDataDict, torch.Tensor, dict[str, float]] | None:
+        """GRPO's filter on this generation batch (groups judged on the unshaped rewards when shaping ran). Returns
+        the step's rows (their `prompt_ids` and shaped `filtered_reward` with them), every reward generated for the
+        step and the filter's metrics once enough rows survived, else None (the next loader batch is generated)."""
+        repeated["prompt_ids"] = prompt_ids  # [B, P] the groups, kept with their rows
+        repeated["total_reward"] = rewards  # [B] shaped: what the kept rows train on
+        baseline, std = group_reward_spread(prompt_ids, rewards, unshaped)
+        self.pending_rewards.append(rewards)
+        train_batch, complete, self.batch_cache, ds_metrics = dynamic_sampling(
+            repeated, std, baseline, self.num_gen_batches, self.cfg, self.batch_cache, {"prompt_ids": self.pad_id}
+        )
+        if not complete:
+            return None
+        reward_for_log = torch.cat(self.pending_rewards)
+        self.batch_cache, self.pending_rewards = None, []
+        return train_batch, reward_for_log, ds_metrics
 
     def _generate(self, repeated: BatchedDataDict) -> tuple[BatchedDataDict, dict[str, float]]:
         return rollout_in_driver(self.generation, self.timer, repeated, self.tokenizer, self.task_to_env, self.cfg)

@@ -13,7 +13,8 @@ side and log identical numbers (`relayrl parity`). Only data movement differs:
   batch-wide step and costs three float64 moments per shard (one pass, bit-exact, when there is a single shard).
   Only the `advantages/*`, `returns/mean`, `values/mean` metrics come back;
 - `ppo_epochs` of critic and actor updates run from metadata; `finish_step` clears every key of the step and
-  fails on any leftover key (nothing is filtered mid-step in PPO, so every minted key is trained on).
+  fails on any leftover key (every minted key is trained on, or discarded by dynamic sampling when it is on:
+  GRPO's filter on the handle's `std` tags, before the critic or the policy reads a row).
 Each step logs `train/driver_bytes` (carry + every driver put/get) and `train/store_bytes_written`. The rows come
 from a `RolloutSource` (`rollout_sources.ActorSource`: the rollout actor, generating for the step); the loop,
 validation and step tail are every trainer's (`runner.py`, `validation.py`).
@@ -26,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from relayrl.algorithms.dynamic_sampling import dynamic_sampling_on_meta, group_reward_spread
 from relayrl.algorithms.gae import (
     GeneralizedAdvantageEstimator,
     RawRewardAdvantageEstimator,
@@ -96,7 +98,8 @@ def ppo_train_sync(
 
     validate_at = sync_validator(actor, policy, val_dataloader, val_task_to_env, cfg, logger)
     kv_sync = KvScaleSync(policy, policy_generation, timer, tokenizer.pad_token_id, val_dataloader)
-    carry_keys = rollout_carry_keys(_CARRY, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
+    base = [*_CARRY, "prompt_group"] if cfg.ppo.use_dynamic_sampling else _CARRY  # the groups the filter judges
+    carry_keys = rollout_carry_keys(base, cfg.ppo.reward_shaping.enabled, cfg.logger.num_train_samples_to_log)
     spec = RolloutSpec(
         value.tq_partition_id, cfg.ppo.num_generations_per_prompt, carry_keys, cfg.logger.num_train_samples_to_log
     )
@@ -142,6 +145,11 @@ class PPOSyncSteps:
         self.kl_fields = _kl_logprob_fields(cfg, self.skip_ref)
         self._validate = validation_runner(policy_generation, logger, validate_at, before=kv_sync.before_validation)
         self.recorder = StepRecorder(cfg, logger.run_dir, "data_plane")
+        # dynamic sampling collects groups (their keys stay in the store) across generation batches
+        self.pending_meta: KVBatchMeta | None = None
+        self.pending_carry: BatchedDataDict | None = None
+        self.pending_rewards: list[torch.Tensor] = []
+        self.num_gen_batches, self.carry_bytes, self.skipped = 0, 0, 0
 
     def close(self) -> None:
         self.source.close()
@@ -150,9 +158,13 @@ class PPOSyncSteps:
         with self.source.validating():
             return self._validate(step)
 
-    def step(self, batch: BatchedDataDict, step: int) -> StepOutput:
+    def step(self, batch: BatchedDataDict, step: int) -> StepOutput | None:
         timer, p, policy, value = self.timer, self.p, self.policy, self.value
-        rollout = self.source.next(batch, step, first_batch=True, step_starts=True)
+        self.num_gen_batches += 1
+        rollout = self.source.next(
+            batch, step, first_batch=self.num_gen_batches == 1, step_starts=self.pending_meta is None
+        )
+        self.carry_bytes += rollout.carry_bytes  # what crossed to the driver: the carry's smallest exact form
         meta, carry, rollout_metrics = rollout.meta, rollout.carry, rollout.metrics
         with timer.time("reward_calculation"):
             carry["total_reward"], drop = guard_rewards(
@@ -160,8 +172,20 @@ class PPOSyncSteps:
             )
             if drop is not None:  # non_finite: skip; the rows' sample_mask is zeroed with overlong filtering
                 carry["non_finite_drop"] = drop
+                self.skipped += int(drop.sum())
+            elif p.use_dynamic_sampling:  # every generation batch's carry has the key, so survivors concatenate
+                carry["non_finite_drop"] = torch.zeros_like(carry["loss_multiplier"], dtype=torch.bool)
             lengths = functools.partial(carry.__getitem__, "response_token_lengths")
-            rewards, _ = post_process_rewards(carry["total_reward"], carry["truncated"], lengths, p)  # [B]
+            rewards, unshaped = post_process_rewards(carry["total_reward"], carry["truncated"], lengths, p)  # [B]
+        reward_for_log = rewards  # [B] every reward generated for the step
+        ds_metrics: dict[str, float] = {}
+        if p.use_dynamic_sampling:
+            with timer.time("dynamic_sampling"):  # filter on tags without fetching; dropped keys leave the store
+                done = self._dynamic_sampling(meta, carry, rewards, unshaped)
+            if done is None:
+                return None
+            meta, carry, reward_for_log, ds_metrics = done
+            rewards = carry["filtered_reward"]  # [B]
         with timer.time("data_processing"):  # the workers read the per-row sample mask and rewards from the store
             sample_mask, filter_metrics = self._filter(meta, carry, rewards)
         with timer.time("value_inference"):  # values and logprobs: computed and written back by the workers
@@ -207,14 +231,14 @@ class PPOSyncSteps:
                 )
         with timer.time("data_plane"):
             value.finish_step(meta)  # clears every key of the step; a leftover key is an error
-            dp_metrics = _step_bytes(policy, value, self.source, rollout.carry_bytes)
+            dp_metrics = _step_bytes(policy, value, self.source, self.carry_bytes)
         with timer.time("logging"):  # the step's metrics and sample rows
             metrics.update(
                 driver_bytes=dp_metrics["data_plane/step/driver_bytes"],
                 store_bytes_written=dp_metrics["data_plane/step/store_bytes_written"],
                 driver_fraction_of_store_bytes=dp_metrics["data_plane/step/driver_fraction_of_store_bytes"],
                 **ppo_step_metrics(
-                    rewards,
+                    reward_for_log,
                     carry["length"],
                     float(sum(meta.sequence_lengths or [])),
                     train_policy,
@@ -222,16 +246,49 @@ class PPOSyncSteps:
                     rollout_metrics,
                     seq_err_metrics,
                     filter_metrics,
+                    ds_metrics,
+                    carry.get("filtered_reward"),
                 ),
             )
             self.logger.log_metrics(dp_metrics, step)
             samples = carry_sample_rows(carry, rewards, step, self.cfg.logger.num_train_samples_to_log)
             self.logger.log_metrics(critic_metrics, step, prefix="critic")
-            if drop is not None:
-                metrics["non_finite_samples_skipped"] = float(drop.sum())
+            if self.skipped:
+                metrics["non_finite_samples_skipped"], self.skipped = float(self.skipped), 0
+            self.num_gen_batches, self.carry_bytes = 0, 0
         metrics.update(self.source.after_step(step))
         dp_seconds = dp_metrics.get("data_plane/all/ms_total", 0.0) / 1e3
         return StepOutput(metrics, samples, {"critic": critic_metrics}, data_plane_seconds=dp_seconds)
+
+    def _dynamic_sampling(
+        self, meta: KVBatchMeta, carry: BatchedDataDict, rewards: torch.Tensor, unshaped: torch.Tensor | None
+    ) -> tuple[KVBatchMeta, BatchedDataDict, torch.Tensor, dict[str, float]] | None:
+        """GRPO's filter on this generation batch, its groups' std stamped on the handle (judged on the unshaped
+        rewards when shaping ran). Returns the step's (meta, carry, every reward generated for it, metrics) once
+        enough rows survived, else None (the next loader batch is generated)."""
+        carry["total_reward"] = rewards  # [B] shaped: what the kept rows train on (their filtered_reward)
+        _, std = group_reward_spread(carry["prompt_group"].unsqueeze(-1), rewards, unshaped)  # [B]
+        meta.stamp_tags({"std": std.tolist()})
+        self.pending_meta, self.pending_carry, self.pending_rewards, complete, ds_metrics, unfiltered = (
+            dynamic_sampling_on_meta(
+                meta=meta,
+                driver_carry=carry,
+                pending_meta=self.pending_meta,
+                pending_carry=self.pending_carry,
+                pending_unfiltered_rewards=self.pending_rewards,
+                train_prompts_size=self.p.rows_per_step,
+                num_gen_batches=self.num_gen_batches,
+                max_gen_batches=self.p.dynamic_sampling_max_gen_batches,
+                policy=self.policy,  # shares the critic's partition: drops the filtered keys from it
+                section="ppo",
+            )
+        )
+        if not complete:
+            return None
+        assert self.pending_meta is not None and self.pending_carry is not None and unfiltered is not None
+        out = (self.pending_meta, self.pending_carry, unfiltered, ds_metrics)
+        self.pending_meta, self.pending_carry = None, None
+        return out
 
     def _filter(
         self, meta: KVBatchMeta, carry: BatchedDataDict, rewards: torch.Tensor

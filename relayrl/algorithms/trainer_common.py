@@ -383,9 +383,12 @@ def ppo_step_metrics(
     rollout_metrics: dict[str, float],
     seq_err_metrics: dict[str, float],
     filter_metrics: dict[str, float],
+    ds_metrics: dict[str, float] | None = None,
+    filtered_reward: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """The `train/*` metrics of a PPO step besides the update's and the byte counters, in both trainers' order."""
-    return dict(
+    """The `train/*` metrics of a PPO step besides the update's and the byte counters, in both trainers' order.
+    `rewards` is every reward generated for the step; under dynamic sampling `filtered_reward` those trained on."""
+    metrics = dict(
         reward=float(rewards.float().mean()),
         mean_prompt_length=float(prompt_lengths.float().mean()),
         total_num_tokens=total_num_tokens,
@@ -394,4 +397,8 @@ def ppo_step_metrics(
         **rollout_metrics,
         **seq_err_metrics,
         **filter_metrics,
+        **(ds_metrics or {}),
     )
+    if filtered_reward is not None:
+        metrics["filtered_reward"] = float(filtered_reward.float().mean())
+    return metrics

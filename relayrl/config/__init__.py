@@ -242,8 +242,14 @@ class MasterConfig(Strict):
         lo, hi = g.advantage_clip_low, g.advantage_clip_high
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"grpo.advantage_clip_low ({lo}) must be <= grpo.advantage_clip_high ({hi})")
-        if g.batch_multiplier != 1 and not g.use_dynamic_sampling:
-            raise ValueError("grpo.batch_multiplier must be 1 unless grpo.use_dynamic_sampling is true")
+        for name, blk in (("grpo", g), ("ppo", self.ppo)):
+            if blk.batch_multiplier != 1 and not blk.use_dynamic_sampling:
+                raise ValueError(f"{name}.batch_multiplier must be 1 unless {name}.use_dynamic_sampling is true")
+        if r.use_dynamic_sampling and r.num_generations_per_prompt < 2:
+            raise ValueError(
+                f"{block}.use_dynamic_sampling=true needs {block}.num_generations_per_prompt >= 2: a group of one row "
+                "has no reward spread, so every row would be dropped"
+            )
         for key in ("invalid_tool_call_advantage", "malformed_thinking_advantage"):
             if getattr(g, key) is not None and getattr(self.reward_penalties, key) is not None:
                 raise ValueError(f"grpo.{key} and reward_penalties.{key} are the same setting: set one of them")
@@ -261,6 +267,12 @@ class MasterConfig(Strict):
             )
         if r.stop_at_validation_metric == "pass_k" and r.val_num_generations_per_prompt <= 1:
             raise ValueError(f"{block}.stop_at_validation_metric 'pass_k' requires val_num_generations_per_prompt > 1")
+        copies = self.data.validation.repeat if self.data.validation is not None else 1
+        if copies > 1 and r.val_greedy:
+            raise ValueError(
+                f"data.validation.repeat={copies} with {block}.val_greedy=true: greedy decoding answers every copy "
+                f"alike; set {block}.val_greedy=false (each copy sampled, as NeMo RL validates) or repeat 1"
+            )
         if r.max_val_samples % r.val_batch_size and r.max_val_samples > r.val_batch_size:
             raise ValueError(f"{block}.max_val_samples must be a multiple of {block}.val_batch_size")
         if r.skip_reference_policy_logprobs_calculation and self.loss_fn.reference_policy_kl_penalty != 0:
@@ -291,7 +303,7 @@ class MasterConfig(Strict):
             raise ValueError("checkpointing.save_data_plane=true needs data_plane.enabled=true (there is no store)")
         if self.data_plane.enabled:
             val_rows = min(r.max_val_samples, r.val_batch_size) * r.val_num_generations_per_prompt
-            need = max(r.rows_per_step * (g.batch_multiplier if self.algorithm == "grpo" else 1), val_rows)
+            need = max(r.rows_per_step * r.batch_multiplier, val_rows)
             if self.data_plane.storage_capacity < need:
                 raise ValueError(
                     f"data_plane.storage_capacity = {self.data_plane.storage_capacity} is below the {need} samples a "

@@ -57,6 +57,11 @@ class DatasetConfig(Strict):
     """Task of rows that name none (every row of the arithmetic source)."""
     split_validation_size: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """File source: fraction of the rows carved off (seeded shuffle) as validation when data.validation is None."""
+    repeat: PositiveInt = 1
+    """Read the rows this many times, one whole copy after another (NeMo RL's `repeat`: its AIME and MATH-500
+    validation sets are 16 copies, each copy sampled once, so accuracy averages 16 samples per problem).
+    max_val_samples and val_batch_size count the copies' rows. A training set split by split_validation_size is
+    repeated after the split."""
 
 
 class DataConfig(Strict):

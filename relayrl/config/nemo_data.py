@@ -37,7 +37,10 @@ class NamedDataset:
     answer_after: str | None = None
     """Keep only the answer text after this marker (GSM8K's `####`)."""
     note: str = ""
-    """How NeMo RL's wrapper differs from reading the rows once, for the docs."""
+    """How NeMo RL's wrapper reads the rows, for the docs."""
+    repeat: int | None = None
+    """NeMo RL's `repeat` default for the wrappers that take one (they read that many copies); None: the wrapper
+    takes no `repeat`."""
 
     def relayrl(self) -> dict[str, Any]:
         """This dataset as relayrl's `data.train` / `data.validation` block."""
@@ -50,20 +53,20 @@ class NamedDataset:
         return out
 
 
-_DAPO = {"prompt_field": "prompt.0.content", "answer_field": "reward_model.ground_truth"}
-_REPEAT = "NeMo RL repeats it 16 times; relayrl reads it once (val_num_generations_per_prompt samples repeatedly)"
+_DAPO = ("prompt.0.content", "reward_model.ground_truth")  # prompt and answer columns
+_REPEAT = "16 copies (NeMo RL's `repeat`, default 16): `repeat: 16`, each copy sampled (`val_greedy: false`)"
 
 #: NeMo RL dataset_name -> where relayrl reads the same rows.
 NAMED_DATASETS: dict[str, NamedDataset] = {
     "OpenMathInstruct-2": NamedDataset("nvidia/OpenMathInstruct-2", "train_1M", "problem", "expected_answer"),
     "DeepScaler": NamedDataset("agentica-org/DeepScaleR-Preview-Dataset", "train", "problem", "answer"),
-    "DAPOMath17K": NamedDataset("BytedTsinghua-SIA/DAPO-Math-17k", "train", **_DAPO),
-    "DAPOMathAIME2024": NamedDataset("BytedTsinghua-SIA/AIME-2024", "train", **_DAPO),
+    "DAPOMath17K": NamedDataset("BytedTsinghua-SIA/DAPO-Math-17k", "train", *_DAPO),
+    "DAPOMathAIME2024": NamedDataset("BytedTsinghua-SIA/AIME-2024", "train", *_DAPO),
     "gsm8k": NamedDataset("openai/gsm8k", "train", "question", "answer", subset="main", answer_after="####"),
     "GSM8K": NamedDataset("openai/gsm8k", "train", "question", "answer", subset="main", answer_after="####"),
-    "AIME2024": NamedDataset("HuggingFaceH4/aime_2024", "train", "problem", "answer", note=_REPEAT),
-    "AIME2026": NamedDataset("MathArena/aime_2026", "train", "problem", "answer", note=_REPEAT),
-    "math500": NamedDataset("HuggingFaceH4/MATH-500", "test", "problem", "answer", note=_REPEAT),
+    "AIME2024": NamedDataset("HuggingFaceH4/aime_2024", "train", "problem", "answer", note=_REPEAT, repeat=16),
+    "AIME2026": NamedDataset("MathArena/aime_2026", "train", "problem", "answer", note=_REPEAT, repeat=16),
+    "math500": NamedDataset("HuggingFaceH4/MATH-500", "test", "problem", "answer", note=_REPEAT, repeat=16),
 }
 
 #: Names NeMo RL knows whose rows relayrl cannot read as one split, with the reason given.
@@ -77,7 +80,7 @@ UNSUPPORTED_NAMES: dict[str, str] = {
 #: Keys of a NeMo RL dataset entry (after `data.default` is merged in).
 _ENTRY_KEYS = frozenset(
     "dataset_name data_path input_key output_key subset split split_validation_size seed prompt_file "
-    "system_prompt_file processor env_name task_name".split()
+    "system_prompt_file processor env_name task_name repeat".split()
 )
 #: NeMo RL's older flat layout: `data.<key>` -> (entry, key in the entry).
 _FLAT = {
@@ -126,7 +129,8 @@ def _read(path: Any, key: str) -> str:
 
 
 def _is_nemo_entry(value: Any) -> bool:
-    return isinstance(value, dict) and bool(set(value) & (_ENTRY_KEYS - {"split", "subset", "split_validation_size"}))
+    shared = {"split", "subset", "split_validation_size", "repeat"}  # relayrl's dataset keys too
+    return isinstance(value, dict) and bool(set(value) & (_ENTRY_KEYS - shared))
 
 
 def translate_data(t: Rules, section: str) -> None:
@@ -194,6 +198,7 @@ def _entry(
             if k in own:
                 out[k] = merged[k]
         t.mapped[where("dataset_name")] = f"{key}: source hf, path {out['path']} (docs/nemo_rl_configs.md)"
+        _repeat(t, key, merged, where, NAMED_DATASETS[name].repeat, section, out)
     elif name in (None, "ResponseDataset"):
         if path is None:
             why = "set dataset_name to a named dataset, or data_path (NeMo RL's ResponseDataset)"
@@ -208,6 +213,7 @@ def _entry(
         for k, target in _RESPONSE_KEYS.items():
             if k in merged:
                 t.mapped[where(k)] = f"{key}.{target}"
+        _repeat(t, key, merged, where, None, section, out)
     else:
         known = ", ".join(NAMED_DATASETS)
         raise NemoLayoutError(
@@ -259,3 +265,28 @@ def _entry(
             )
         prompts[target] = (where(nemo_key), text)
     return out
+
+
+def _repeat(
+    t: Rules, key: str, merged: dict[str, Any], where: Any, default: int | None, section: str, out: dict[str, Any]
+) -> None:
+    """NeMo RL's `repeat`: its AIME and MATH-500 wrappers read `repeat` copies (default 16) and validation samples
+    each one, so accuracy averages that many samples per problem. relayrl reads the same copies (`repeat`) and, for
+    a validation set, samples them (`val_greedy: false`); a wrapper that takes no `repeat` ignores it, so relayrl
+    refuses it there rather than repeat silently."""
+    given = merged.get("repeat")
+    if default is None:
+        if given not in (None, 1):
+            why = "only NeMo RL's AIME and MATH-500 datasets repeat their rows; remove it"
+            raise NemoLayoutError(f"{where('repeat')}={given!r}: {why}", where("repeat"))
+        if "repeat" in merged:
+            t.mapped[where("repeat")] = "met: the rows are read once"
+        return
+    copies = default if given is None else int(given)
+    source = where("repeat") if "repeat" in merged else where("dataset_name")
+    if copies > 1:
+        out["repeat"] = copies
+        if key == "data.validation":
+            t.put(f"{section}.val_greedy", False, source)  # NeMo RL samples every validation row
+    if "repeat" in merged:
+        t.mapped[where("repeat")] = f"{key}.repeat"

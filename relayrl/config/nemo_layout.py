@@ -309,16 +309,14 @@ class _Translator(Rules):
             self._ppo()
 
     def _ppo(self) -> None:
-        """NeMo RL's PPO keys: dynamic sampling and async PPO are GRPO-only in relayrl, so they are accepted while
-        off and refused when on; the critic's epochs must be the policy's (relayrl updates both ppo_epochs times)."""
+        """NeMo RL's PPO keys: dynamic sampling (`use_dynamic_sampling`, `dynamic_sampling_max_gen_batches`,
+        `batch_multiplier`) is relayrl's PPO key too and passes through; async PPO is accepted while off and refused
+        when on; the critic's epochs must be the policy's (relayrl updates both ppo_epochs times)."""
         r = "ppo"
-        off = "; set it false (relayrl's PPO samples every batch once)"
-        self.drop(f"{r}.use_dynamic_sampling", allowed=_OFF, why="relayrl's dynamic sampling is GRPO's" + off)
-        self.drop(f"{r}.dynamic_sampling_max_gen_batches")  # read only by dynamic sampling, which is off here
-        self.require(f"{r}.batch_multiplier", _ONE, "relayrl's PPO draws num_prompts_per_step prompts; set 1")
         self.block(
             f"{r}.async_ppo",
-            why="relayrl's asynchronous trainer is GRPO's (grpo.async_grpo); set ppo.async_ppo.enabled=false",
+            why="relayrl's asynchronous trainer (grpo.async_grpo) is GRPO's: its producer's partitions hold GRPO's "
+            "fields, not the critic's values and returns; set ppo.async_ppo.enabled=false",
         )
         epochs = self.get(f"{r}.ppo_epochs", 1)
         self.require(f"{r}.critic_ppo_epochs", (None, epochs), f"relayrl trains the critic {r}.ppo_epochs times")

@@ -69,7 +69,7 @@ class RolloutConfig(Strict):
     """
 
     num_prompts_per_step: PositiveInt = 16
-    """Prompts per training step (the train loader's batch; times batch_multiplier under GRPO dynamic sampling)."""
+    """Prompts per training step (the train loader's batch; times batch_multiplier under dynamic sampling)."""
     num_generations_per_prompt: PositiveInt = 8
     """Rollouts sampled per prompt (the group size); rows per step = num_prompts_per_step x this. GRPO needs >= 2."""
     max_rollout_turns: PositiveInt = 1
@@ -124,6 +124,16 @@ class RolloutConfig(Strict):
     """A NaN or infinite reward or advantage: `stop` ends the run before that step changes any weight, naming the
     step and samples; `skip` drops the offending samples' groups from the step and counts them
     (`train/non_finite_samples_skipped`)."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop the rows of every prompt whose rewards all agree (group std 0: no learning signal)
+    and generate more batches until num_prompts_per_step x num_generations_per_prompt rows remain; the surplus is
+    discarded. Needs num_generations_per_prompt >= 2. PPO's critic then sees only the kept rows."""
+    dynamic_sampling_max_gen_batches: NonNegInt = 10
+    """Dynamic sampling: the step fails when it is still short of rows after more than this many generation
+    batches."""
+    batch_multiplier: PositiveInt = 1
+    """Dynamic sampling: each generation batch draws num_prompts_per_step x this prompts, to refill faster after
+    filtering. Must be 1 without use_dynamic_sampling."""
 
     @property
     def rows_per_step(self) -> int:
@@ -132,8 +142,9 @@ class RolloutConfig(Strict):
 
     @property
     def prompts_per_batch(self) -> int:
-        """Prompts the train loader yields per generation batch."""
-        return self.num_prompts_per_step
+        """Prompts the train loader yields per generation batch: dynamic sampling draws `batch_multiplier` times
+        them, since groups without reward spread are dropped."""
+        return self.num_prompts_per_step * (self.batch_multiplier if self.use_dynamic_sampling else 1)
 
 
 class AsyncGRPOConfig(Strict):
@@ -183,15 +194,6 @@ class GRPOConfig(RolloutConfig):
     """Clamp advantages from below at this after normalisation (None: no lower clip); <= advantage_clip_high."""
     advantage_clip_high: float | None = None
     """Clamp advantages from above at this after normalisation (None: no upper clip)."""
-    use_dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop rows whose group reward std is 0 (no learning signal) and generate more batches
-    until num_prompts_per_step x num_generations_per_prompt rows remain; the surplus is discarded."""
-    dynamic_sampling_max_gen_batches: NonNegInt = 10
-    """Dynamic sampling: the step fails when it is still short of rows after more than this many generation
-    batches."""
-    batch_multiplier: PositiveInt = 1
-    """Dynamic sampling: each generation batch draws num_prompts_per_step x this prompts, to refill faster after
-    filtering. Must be 1 without use_dynamic_sampling."""
     adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
     """Which advantage estimator GRPO uses and its options."""
     skip_prev_logprobs_when_on_policy: bool = True
@@ -207,11 +209,6 @@ class GRPOConfig(RolloutConfig):
     """As invalid_tool_call_advantage, for messages flagged `has_malformed_thinking`."""
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     """Asynchronous GRPO (off by default): see `AsyncGRPOConfig`."""
-
-    @property
-    def prompts_per_batch(self) -> int:
-        """Dynamic sampling draws `batch_multiplier` times the prompts, since zero-std groups are dropped."""
-        return self.num_prompts_per_step * (self.batch_multiplier if self.use_dynamic_sampling else 1)
 
 
 class RewardPenaltiesConfig(Strict):

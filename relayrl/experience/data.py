@@ -179,7 +179,7 @@ def build_dataloaders(
     if len(train) < batch_size:
         raise ValueError(
             f"training set has {len(train)} prompts, fewer than one batch of {batch_size} "
-            f"({cfg.algorithm}.num_prompts_per_step, times grpo.batch_multiplier under dynamic sampling)"
+            f"({cfg.algorithm}.num_prompts_per_step, times {cfg.algorithm}.batch_multiplier under dynamic sampling)"
         )
     generator = torch.Generator()
     generator.manual_seed(g.seed)

@@ -242,7 +242,8 @@ def load_records(
             val = _arithmetic_records(data, val_cfg.default_task, episode_tasks)[1]
         else:
             val = _records_of(val_cfg, "data.validation", given[1], episode_tasks)
-    return train, val
+        val = val * val_cfg.repeat  # whole copies in order, as NeMo RL's Dataset.repeat
+    return train * train_cfg.repeat, val
 
 
 def _path(cfg: DatasetConfig, key: str) -> str:

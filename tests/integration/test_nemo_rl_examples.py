@@ -96,12 +96,12 @@ def test_config_show_classifies_every_key(name, capsys) -> None:
 
 
 def test_config_show_names_every_refused_key_not_only_the_first(capsys) -> None:
-    argv = ["policy.megatron_cfg.enabled=true", "ppo.async_ppo.enabled=true", "ppo.use_dynamic_sampling=true"]
+    argv = ["policy.megatron_cfg.enabled=true", "ppo.async_ppo.enabled=true", "ppo.critic_ppo_epochs=3"]
     assert main(["config", "show", "--config", str(FIXTURES / "ppo_math_1B.yaml"), *argv]) == 2
     captured = capsys.readouterr()
     refused = [line for line in captured.out.splitlines() if ": refused: " in line]
     assert [line.split(":", 1)[0].strip("# ") for line in refused] == [
-        "ppo.use_dynamic_sampling",
+        "ppo.critic_ppo_epochs",
         "ppo.async_ppo.enabled",
         "policy.megatron_cfg.enabled",
     ]

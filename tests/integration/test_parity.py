@@ -9,6 +9,7 @@ import torch
 from relayrl.cli.main import main
 from relayrl.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from relayrl.environments.registry import ENV_REGISTRY, register_env
+from relayrl.utils.jsonl import read_jsonl
 from tests.helpers import tiny_grpo_overrides, tiny_ppo_overrides
 
 
@@ -103,6 +104,27 @@ def test_ppo_parity_on_memory_backend(tmp_path, tiny_model_dir, capsys, workers)
         "validation/accuracy",
     ):
         assert f"  {name} " in out, name
+
+
+def test_ppo_parity_with_dynamic_sampling(tmp_path, tiny_model_dir, capsys):
+    """PPO dynamic sampling (GRPO's filter) on both trainers: the same groups dropped, the same refills and surplus,
+    so the same critic values, GAE, losses and dynamic-sampling counts, bit for bit (2 steps, no validation)."""
+    ds = (
+        "ppo.use_dynamic_sampling=true",
+        "ppo.ppo_epochs=1",
+        "ppo.val_period=0",
+        "ppo.val_at_start=false",
+        "ppo.val_at_end=false",
+    )
+    args = ["parity", "--steps", "2", "--tolerance", "0", "--out", str(tmp_path)]
+    code = main([*args, *tiny_ppo_overrides(tiny_model_dir, *PPO_RUN, *ds)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "parity OK" in out and "  critic/loss " in out and "  train/filtered_reward " in out
+    rows = [r for r in read_jsonl(tmp_path / "legacy" / "metrics.jsonl") if "train/reward" in r]
+    batches = [r["train/dynamic_sampling_num_gen_batches"] for r in rows]
+    surplus = [r["train/dynamic_sampling_num_discarded_valid_samples"] for r in rows]
+    assert len(rows) == 2 and max(batches) > 1 and max(surplus) > 0, (batches, surplus)  # refilled; surplus discarded
 
 
 def test_parity_async_at_age_zero_is_exact(tmp_path, tiny_model_dir, capsys):

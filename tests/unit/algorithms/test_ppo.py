@@ -7,6 +7,7 @@ Spies around the policy and the critic record what the trainer hands them.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -129,7 +130,7 @@ def _cfg(model_dir: Any, **ppo: Any) -> MasterConfig:
 def _run(cfg: MasterConfig, tokenizer: Any, tmp_path: Any, truncated: list[bool]) -> tuple[Spy, Spy, Policy]:
     records = [PromptRecord(answer=str(a + 1), task="seven", prompt=f"{a}+1=") for a in range(10, 14)]
     dataset = PromptDataset(records, tokenizer, max_prompt_length=32)
-    loader = DataLoader(dataset, batch_size=cfg.ppo.num_prompts_per_step, collate_fn=rl_collate_fn)
+    loader = DataLoader(dataset, batch_size=cfg.ppo.prompts_per_batch, collate_fn=rl_collate_fn)
     policy = Policy(cfg.policy, tokenizer, cluster=cfg.cluster, init_reference_model=False)
     value = Value(cfg.value, tokenizer, cluster=cfg.cluster)
     policy_spy, value_spy = Spy(policy), Spy(value)
@@ -248,3 +249,54 @@ def test_rollout_block_is_the_ppo_block():
     assert cfg.rollout.val_period == 3 and cfg.rollout.seed == 7 and cfg.rollout.overlong_filtering
     assert cfg.rollout.rows_per_step == 2 * cfg.ppo.num_generations_per_prompt and cfg.rollout.max_val_samples == 40
     assert cfg.grpo.val_period != 3  # the GRPO block keeps its own values
+
+
+def _train_metrics(tmp_path: Any) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "train/reward" in r]
+
+
+def _prompts(tokenizer: Any, data: BatchedDataDict) -> list[str]:
+    return [tokenizer.decode(row).split("+1=")[0][-2:] for row in data["input_ids"].tolist()]
+
+
+def test_dynamic_sampling_drops_flat_groups_before_the_critic_and_refills(tmp_path, tiny_model_dir, char_tokenizer):
+    """Prompts 10..13, two rows each: row 0 of every generation batch answers 7 (reward 1), the rest run out of
+    tokens (reward 0). Batch 1 (10, 11) keeps 10's group, drops 11's flat one; batch 2 (12, 13) keeps 12's. The
+    critic scores only the 4 kept rows, once, and GAE runs on them alone."""
+    cfg = _cfg(tiny_model_dir, use_dynamic_sampling=True, max_num_steps=1)
+    policy_spy, value_spy, _ = _run(cfg, char_tokenizer, tmp_path, [False, True, True, True])
+    data = value_spy.train_batches[0]
+    assert _prompts(char_tokenizer, data) == ["10", "10", "12", "12"]
+    assert data["rewards"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert len(value_spy.value_outputs) == 1 and value_spy.value_outputs[0].shape[0] == ROWS
+    mask = data["token_mask"] * data["sample_mask"].unsqueeze(-1)  # [B, S]
+    adv, ret = GeneralizedAdvantageEstimator(1.0, 0.95, True).compute_advantage(
+        torch.zeros(ROWS, 1), data["rewards"], mask, value_spy.value_outputs[0]
+    )
+    assert torch.equal(data["advantages"], adv) and torch.equal(data["returns"], ret)
+    (m,) = _train_metrics(tmp_path)
+    assert (
+        m["train/dynamic_sampling_num_gen_batches"] == 2
+        and m["train/dynamic_sampling_num_discarded_valid_samples"] == 0
+    )
+    assert (m["train/reward"], m["train/filtered_reward"]) == (0.25, 0.5)  # all 8 generated rows; the 4 trained
+
+
+def test_dynamic_sampling_batch_multiplier_discards_the_surplus(tmp_path, tiny_model_dir, char_tokenizer):
+    """batch_multiplier 2: one generation batch of 4 prompts, every group mixed (1, 0): 8 rows survive, the first 4
+    (prompts 10, 11) train and 4 are discarded and counted."""
+    cfg = _cfg(tiny_model_dir, use_dynamic_sampling=True, batch_multiplier=2, max_num_steps=1)
+    _, value_spy, _ = _run(cfg, char_tokenizer, tmp_path, [False, True])
+    assert _prompts(char_tokenizer, value_spy.train_batches[0]) == ["10", "10", "11", "11"]
+    (m,) = _train_metrics(tmp_path)
+    assert (
+        m["train/dynamic_sampling_num_gen_batches"] == 1
+        and m["train/dynamic_sampling_num_discarded_valid_samples"] == 4
+    )
+
+
+def test_dynamic_sampling_stops_past_its_generation_batch_limit(tmp_path, tiny_model_dir, char_tokenizer):
+    cfg = _cfg(tiny_model_dir, use_dynamic_sampling=True, dynamic_sampling_max_gen_batches=1, max_num_steps=1)
+    with pytest.raises(ValueError, match=r"\(ppo.dynamic_sampling_max_gen_batches=1\) with only 0/4 rows"):
+        _run(cfg, char_tokenizer, tmp_path, [True])  # every reward 0: no group has spread

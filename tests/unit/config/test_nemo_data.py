@@ -49,6 +49,28 @@ def test_a_named_dataset_not_in_the_cache_offline_is_one_line_naming_it_and_the_
     assert "\n" not in line and "'agentica-org/DeepScaleR-Preview-Dataset'" in line and str(hf_cache) in line
 
 
+def test_aime_and_math500_are_read_as_nemo_rl_repeats_them(hf_cache: Path) -> None:
+    """NeMo RL's AIME / MATH-500 wrappers read `repeat` whole copies (default 16) and validation samples each row:
+    relayrl reads the same rows in the same order and samples them, so accuracy averages the same samples."""
+    save_to_cache(hf_cache, "HuggingFaceH4/aime_2024", "default", "train", [{"problem": "P0", "answer": "3"}])
+    save_to_cache(
+        hf_cache, "HuggingFaceH4/MATH-500", "default", "test", [{"problem": f"M{i}", "answer": i} for i in (1, 2)]
+    )
+    aime = load({"data": {"train": {"dataset_name": "gsm8k"}, "validation": {"dataset_name": "AIME2024"}}})
+    assert aime.data.validation is not None and (aime.data.validation.repeat, aime.grpo.val_greedy) == (16, False)
+    _, val = load_records(aime)
+    assert val is not None and [(r.prompt, r.answer) for r in val] == [("P0", "3")] * 16
+    math = load({"data": {"train": {"dataset_name": "gsm8k"}, "validation": {"dataset_name": "math500", "repeat": 2}}})
+    _, val = load_records(math)
+    assert val is not None and [r.prompt for r in val] == ["M1", "M2", "M1", "M2"]  # whole copies, in order
+    once = load({"data": {"train": {"dataset_name": "gsm8k"}, "validation": {"dataset_name": "math500", "repeat": 1}}})
+    assert once.data.validation is not None and (once.data.validation.repeat, once.grpo.val_greedy) == (1, True)
+    own = {"data": {"validation": {"source": "hf", "path": "org/set", "repeat": 3}}, "grpo": {"val_greedy": False}}
+    assert translate_nemo_layout(own).config == own  # relayrl's own key: its layout passes through untouched
+    with pytest.raises(ValueError, match="data.validation.repeat=16 with grpo.val_greedy=true: greedy decoding"):
+        MasterConfig.model_validate({"data": {"validation": {**aime.data.validation.model_dump(), "repeat": 16}}})
+
+
 def test_dapo_rows_read_their_nested_columns() -> None:
     ds = MasterConfig.model_validate({"data": {"train": NAMED_DATASETS["DAPOMath17K"].relayrl()}}).data.train
     row = {"prompt": [{"role": "user", "content": "Find x."}], "reward_model": {"ground_truth": "34"}}
@@ -106,6 +128,10 @@ def test_nemo_prompt_files_become_relayrl_templates() -> None:
     ("data", "line"),
     [
         ({"train": {"dataset_name": "AIME2025"}}, "data.train.dataset_name='AIME2025': NeMo RL joins two subsets"),
+        (
+            {"train": {"dataset_name": "gsm8k"}, "validation": {"dataset_name": "DAPOMathAIME2024", "repeat": 2}},
+            "data.validation.repeat=2: only NeMo RL's AIME and MATH-500 datasets repeat",
+        ),
         ({"train": {"dataset_name": "squad"}}, "data.train.dataset_name='squad': relayrl knows NeMo RL's"),
         ({"train": {"dataset_name": "gsm8k"}, "default": {"processor": "sft_processor"}}, "data.default.processor="),
         (

@@ -60,16 +60,34 @@ def test_a_nemo_ppo_config_maps_its_keys() -> None:
         True,
         0.2,
     )
-    assert "value.optimizer.kwargs.foreach" in out.unused and "ppo.use_dynamic_sampling" in out.unused
-    assert out.mapped["ppo.batch_multiplier"].startswith("met")
+    assert "value.optimizer.kwargs.foreach" in out.unused
+    assert (cfg.ppo.use_dynamic_sampling, cfg.ppo.batch_multiplier) == (False, 1)  # relayrl's PPO keys too
+
+
+def test_nemo_ppo_dynamic_sampling_is_relayrls() -> None:
+    """`ppo.use_dynamic_sampling`, its generation-batch limit and `batch_multiplier` pass through with GRPO's
+    meaning; the loader then draws num_prompts_per_step x batch_multiplier prompts per generation batch."""
+    keys = {"use_dynamic_sampling": True, "dynamic_sampling_max_gen_batches": 3, "batch_multiplier": 2}
+    cfg = load({**PPO, "ppo": {**PPO["ppo"], **keys}})
+    assert (cfg.ppo.dynamic_sampling_max_gen_batches, cfg.rollout.prompts_per_batch) == (
+        3,
+        2 * cfg.ppo.num_prompts_per_step,
+    )
+    with pytest.raises(ValueError, match="ppo.batch_multiplier must be 1 unless ppo.use_dynamic_sampling is true"):
+        load({**PPO, "ppo": {**PPO["ppo"], "batch_multiplier": 2}})
+    with pytest.raises(ValueError, match="ppo.use_dynamic_sampling=true needs ppo.num_generations_per_prompt >= 2"):
+        MasterConfig.model_validate(
+            {
+                "algorithm": "ppo",
+                "ppo": {"use_dynamic_sampling": True, "num_generations_per_prompt": 1, "num_prompts_per_step": 128},
+            }
+        )
 
 
 @pytest.mark.parametrize(
     ("ppo", "line"),
     [
-        ({"use_dynamic_sampling": True}, "ppo.use_dynamic_sampling=True: relayrl's dynamic sampling is GRPO's"),
-        ({"batch_multiplier": 2}, "ppo.batch_multiplier=2: relayrl's PPO draws"),
-        ({"async_ppo": {"enabled": True}}, "ppo.async_ppo.enabled=true: relayrl's asynchronous trainer is GRPO's"),
+        ({"async_ppo": {"enabled": True}}, "ppo.async_ppo.enabled=true: relayrl's asynchronous trainer"),
         ({"critic_ppo_epochs": 3}, "ppo.critic_ppo_epochs=3: relayrl trains the critic"),
         ({"warm_start_value_checkpoint": "/ckpt/step_5"}, "ppo.warm_start_value_checkpoint='/ckpt/step_5': relayrl"),
     ],
