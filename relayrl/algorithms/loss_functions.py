@@ -119,8 +119,8 @@ class ClippedPGLossFn:
         """How far the training forward (prev) and the generation engine (gen) disagree; token-normalised."""
         kl_type = self.cfg.reference_policy_kl_type
 
-        def tok_mean(x: torch.Tensor) -> float:
-            return masked_mean(x, m, global_normalization_factor=n_toks).item()
+        def tok_mean(x: torch.Tensor) -> torch.Tensor:
+            return masked_mean(x, m, global_normalization_factor=n_toks)
 
         # Jensen-Shannon against the mixture M = (P_prev + P_gen) / 2, per sampled token (k3-style terms).
         log_mix = torch.logaddexp(p, g) - torch.log(torch.tensor(2.0, dtype=p.dtype, device=p.device))
@@ -134,7 +134,7 @@ class ClippedPGLossFn:
 
     def _importance_weights(
         self, p: torch.Tensor, g: torch.Tensor, tm: torch.Tensor, sm: torch.Tensor, n_seqs: Count, n_toks: Count
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Actor importance weights pi_prev / pi_gen ([B, S-1], or [B, 1] for GSPO), truncated per the TIS type."""
         cfg = self.cfg
         m = tm * sm.unsqueeze(-1)  # [B, S-1]
@@ -144,7 +144,7 @@ class ClippedPGLossFn:
         else:
             w = _finite_or_zero(torch.exp(p - g)).detach()  # [B, S-1]
         kind = cfg.truncated_importance_sampling_type
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor] = {}
         if kind is None or cfg.truncated_importance_sampling_ratio is None:
             return w, metrics
         # Construction guarantees the upper bound, and the lower bound for icepop / seq-mask-tis; tis defaults it to 0.
@@ -152,17 +152,17 @@ class ClippedPGLossFn:
         lo = cfg.truncated_importance_sampling_ratio_min or 0.0
         if kind == "tis":
             oob = ((w > hi) | (w < lo)).to(m.dtype)
-            metrics["is_oob_ratio"] = masked_mean(oob, m, global_normalization_factor=n_toks).item()
+            metrics["is_oob_ratio"] = masked_mean(oob, m, global_normalization_factor=n_toks)
             w = w.clamp(min=lo, max=hi)
         elif kind == "icepop":
             keep = ((w >= lo) & (w <= hi)).to(m.dtype)
-            metrics["is_oob_ratio"] = masked_mean(1 - keep, m, global_normalization_factor=n_toks).item()
+            metrics["is_oob_ratio"] = masked_mean(1 - keep, m, global_normalization_factor=n_toks)
             w = w * keep
         elif kind == "seq-mask-tis":
             # Whole sequences are kept or dropped on their geometric-mean ratio; kept ones keep raw token weights.
             geo = torch.exp(masked_mean(_finite_or_zero(p - g), tm, dim=-1)).detach()  # [B]
             keep_seq = ((geo >= lo) & (geo <= hi)).to(m.dtype)  # [B]
-            metrics["is_oob_ratio"] = masked_mean(1 - keep_seq, sm, global_normalization_factor=n_seqs).item()
+            metrics["is_oob_ratio"] = masked_mean(1 - keep_seq, sm, global_normalization_factor=n_seqs)
             w = w * keep_seq.unsqueeze(-1)
         return w, metrics
 
@@ -244,14 +244,14 @@ class ClippedPGLossFn:
         loss = actor_loss + kl + cfg.positive_example_nll_weight * nll
         metrics.update(self._policy_metrics(c, g, ratio, ratio_c, w, m, sm, n_s, n_t))
         metrics.update(is_metrics)
-        kl_value = kl.item()
-        metrics["loss"] = loss.item()
+        metrics.update(loss=loss, kl_penalty=kl, positive_nll_loss=nll)
+        metrics = _to_host(metrics)  # one device-to-host copy for the micro-batch's metrics
+        kl_value = metrics["kl_penalty"]
         metrics["kl_penalty"] = kl_value / self.kl_coef if self.kl_coef != 0 and kl_value != 0 else 0.0
-        metrics["positive_nll_loss"] = nll.item()
         return loss, metrics
 
     @torch.no_grad()
-    def _policy_metrics(self, c, g, ratio, ratio_c, w, m, sm, n_s: Count, n_t: Count) -> dict[str, float]:
+    def _policy_metrics(self, c, g, ratio, ratio_c, w, m, sm, n_s: Count, n_t: Count) -> dict[str, Any]:
         if self.cfg.sequence_level_importance_ratios:
             # One weight per row, averaged over valid rows (the reference's B x B broadcast here is not reproduced).
             sampling_ratio = masked_mean(w.squeeze(-1), sm, global_normalization_factor=n_s)
@@ -262,17 +262,27 @@ class ClippedPGLossFn:
         has = r_valid.numel() > 0
         inf = float("inf")
         return {
-            "probs_ratio": masked_mean(ratio.detach(), m, global_normalization_factor=n_t).item(),
-            "probs_ratio_clamped": masked_mean(ratio_c.detach(), m, global_normalization_factor=n_t).item(),
-            "probs_ratio_min": r_valid.min().item() if has else inf,
-            "probs_ratio_max": r_valid.max().item() if has else -inf,
-            "probs_ratio_clamped_min": rc_valid.min().item() if has else inf,
-            "probs_ratio_clamped_max": rc_valid.max().item() if has else -inf,
-            "sampling_importance_ratio": sampling_ratio.item(),
-            "num_valid_samples": sm.sum().item(),
+            "probs_ratio": masked_mean(ratio.detach(), m, global_normalization_factor=n_t),
+            "probs_ratio_clamped": masked_mean(ratio_c.detach(), m, global_normalization_factor=n_t),
+            "probs_ratio_min": r_valid.min() if has else inf,
+            "probs_ratio_max": r_valid.max() if has else -inf,
+            "probs_ratio_clamped_min": rc_valid.min() if has else inf,
+            "probs_ratio_clamped_max": rc_valid.max() if has else -inf,
+            "sampling_importance_ratio": sampling_ratio,
+            "num_valid_samples": sm.sum(),
             # E_gen[-(pi / pi_gen) log pi]: an entropy estimate from sampled tokens only.
-            "approx_entropy": (-masked_mean(torch.exp(c - g) * c, m, global_normalization_factor=n_t)).item(),
+            "approx_entropy": -masked_mean(torch.exp(c - g) * c, m, global_normalization_factor=n_t),
         }
+
+
+def _to_host(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics' tensors as Python floats through one device-to-host copy (each `.item()` is a sync on a GPU).
+    Widening to float64 first is exact for every float dtype, so the values are those `.item()` gives."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()  # [K] -> host
+        metrics = {**metrics, **dict(zip(keys, values, strict=True))}
+    return metrics
 
 
 class NLLLossFn:

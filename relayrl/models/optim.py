@@ -94,8 +94,8 @@ def record_microbatch_metrics(
     mb_metrics: dict[str, Any],
     num_global_batches: int,
     lr: float,
-    global_valid_seqs: torch.Tensor,
-    global_valid_toks: torch.Tensor,
+    global_valid_seqs: float | torch.Tensor,
+    global_valid_toks: float | torch.Tensor,
 ) -> None:
     """Append one micro-batch's loss metrics: normalised ones divided by the number of global batches (so the
     driver's sum is the mean over global batches), extrema (`_min`/`_max`) as they are, plus lr and global counts."""
@@ -231,8 +231,9 @@ def _train_global_batch(
 ) -> None:
     """Global batch `gb`: every micro-batch's forward and backward, then one optimizer step (unless evaluating)."""
     seqs, toks = _global_counts(replica, gb_data, call.device)
-    tally.seqs += float(seqs)
-    tally.toks += float(toks)
+    seqs_f, toks_f = float(seqs), float(toks)  # read once per global batch, not per micro-batch
+    tally.seqs += seqs_f
+    tally.toks += toks_f
     if not call.eval_mode and replica.optimizer is not None:
         replica.optimizer.zero_grad(set_to_none=True)
     gb_loss = torch.zeros((), device=call.device)
@@ -246,7 +247,7 @@ def _train_global_batch(
             mb_loss, mb_metrics = _forward_backward(replica, mb, loss if valid else None, seqs, toks, call.eval_mode)
         if valid:
             gb_loss += mb_loss.detach()
-            record_microbatch_metrics(tally.metrics, mb_metrics, tally.num_gb, tally.lr, seqs, toks)
+            record_microbatch_metrics(tally.metrics, mb_metrics, tally.num_gb, tally.lr, seqs_f, toks_f)
     if not call.eval_mode:
         tally.grad_norm = replica.step_optimizer()
     tally.losses.append(gb_loss)
