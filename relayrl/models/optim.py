@@ -239,8 +239,12 @@ def _train_global_batch(
     gb_loss = torch.zeros((), device=call.device)
     wrapped = replica.dp.reduces_in_backward
     num_mb, batches = _micro_batches_of(replica, gb_data, gb, call, wrapped)
-    for i, (mb, replay) in enumerate(batches):
-        valid = _is_valid(replica, mb, replay, wrapped)
+    # samples before each row, read once for the global batch from the rows as they arrived (host memory when the
+    # micro-batches are moved to a device one at a time), instead of once per micro-batch from the device
+    valid_rows = (gb_data["sample_mask"] > 0).long()  # [b]
+    before = torch.cat([valid_rows.new_zeros(1), valid_rows.cumsum(0)]).tolist()  # [b+1]
+    for i, (mb, replay, start, end) in enumerate(batches):
+        valid = _is_valid(replica, mb, replay, wrapped, has_sample=before[end] > before[start])
         if not valid and not wrapped:
             continue  # no valid sample: contributes nothing to the loss, metrics or gradient
         with replica.dp.micro_batch(sync=i == num_mb - 1):
@@ -267,22 +271,27 @@ def _global_counts(
 
 def _micro_batches_of(
     replica: TrainingReplica, gb_data: BatchedDataDict, gb: int, call: TrainCall, wrapped: bool
-) -> tuple[int, Iterator[tuple[BatchedDataDict, bool]]]:
-    """(how many, the micro-batches lazily, each with whether it is a zero-loss replay) of global batch `gb`."""
+) -> tuple[int, Iterator[tuple[BatchedDataDict, bool, int, int]]]:
+    """(how many, the micro-batches lazily, each with whether it is a zero-loss replay and its rows [start, end) of
+    the global batch) of global batch `gb`."""
     if call.plan is None:
-        num_mb = -(-gb_data.size // call.mbs)
-        return num_mb, ((mb, False) for mb in replica.micro_batches(gb_data, call.mbs, call.device))
+        num_mb, size = -(-gb_data.size // call.mbs), gb_data.size
+        rows = ((start, min(start + call.mbs, size)) for start in range(0, size, call.mbs))  # micro_batches' blocks
+        return num_mb, (
+            (mb, False, *bounds)
+            for mb, bounds in zip(replica.micro_batches(gb_data, call.mbs, call.device), rows, strict=True)
+        )
     planned = call.plan.micro_batches(gb)
     if wrapped:  # every rank must run as many forward/backward passes as the busiest one
         busiest = max(replica.comm.all_gather_object(sum(m.end > m.start for m in planned)))
         planned = with_replays(planned, busiest)
     planned = [m for m in planned if m.end > m.start]
-    return len(planned), ((cut(gb_data, m).to(call.device), m.replay) for m in planned)
+    return len(planned), ((cut(gb_data, m).to(call.device), m.replay, m.start, m.end) for m in planned)
 
 
-def _is_valid(replica: TrainingReplica, mb: BatchedDataDict, replay: bool, wrapped: bool) -> bool:
+def _is_valid(replica: TrainingReplica, mb: BatchedDataDict, replay: bool, wrapped: bool, has_sample: bool) -> bool:
     """Whether a micro-batch has a valid sample (and, under DDP / FSDP2, a loss position) to learn from."""
-    valid = not replay and float(mb["sample_mask"].float().sum()) > 0
+    valid = not replay and has_sample
     if wrapped and valid:  # no loss position: a dummy too (an FSDP2 backward must pass through every unit)
         valid = float((replica.valid_tokens(mb).float() * mb["sample_mask"].float()[:, None]).sum()) > 0
     return valid
