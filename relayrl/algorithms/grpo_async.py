@@ -11,9 +11,9 @@ samples; each batch's partition retired after its step; checkpoints that drain a
 a resume logs what the uninterrupted run logs.
 
 This module builds what the producer generates with (`ProducerSide`, per executor: locally with a copy of the
-environments of its own, since validation rolls out on the trainer's thread at the same time; environment classes'
-episodes then live in the producer, and the batches in flight at a checkpoint come back from it with their rows and
-counts), restores a checkpoint's batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where
+environments of its own, since validation rolls out on the trainer's thread at the same time; on Ray its own rollout
+actor, which builds its own instances. Environment classes' episodes then live in the producer, and the batches in
+flight at a checkpoint come back from it with their rows and counts), restores a checkpoint's batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where
 the producer generates and how it shares workers with validation: docs/design.md.
 """
 

@@ -318,3 +318,59 @@ def test_multi_turn_async_on_ray_resumes_exactly_after_sigkill(ray_cluster, tmp_
         name = f"rollouts/step_{step:06d}.parquet"
         a, b = (pq.read_table(d / name).drop(["sample_key", "tool_latency_s"]) for d in (tmp_path / "a", killed))
         assert a.num_rows == 4 and a.equals(b), f"recorded rollouts of step {step} differ after the resume"
+
+
+CLOSER = """
+import itertools, os
+
+class Closer:
+    made = itertools.count()
+
+    def __init__(self):
+        self.n = next(Closer.made)
+        self._log("open")
+
+    def _log(self, what):
+        with open(LOG, "a") as f:
+            f.write(f"{what} {os.getpid()}-{self.n}\\n")
+
+    def reset(self, answer, **row):
+        pass
+
+    def check(self, value: str) -> str:
+        \"\"\"Check a candidate answer.
+
+        Args:
+            value: the candidate answer
+        \"\"\"
+        return "checked"
+
+    def get_reward(self) -> float:
+        if self.n == 5:
+            raise RuntimeError("get_reward failed")
+        return 0.0
+
+    def close(self):
+        self._log("close")
+"""
+
+
+@pytest.mark.slow
+def test_async_on_ray_closes_the_producers_episodes_when_the_run_fails(ray_cluster, tmp_path, monkeypatch) -> None:
+    """Beside the suite (`-m slow`): batch 1's episodes end and close in the producer's actor; in batch 2 its instance
+    5 fails in `get_reward`, the run ends with the class's one line, and every instance the actor made is closed."""
+    log = tmp_path / "instances.log"
+    (tmp_path / "closer.py").write_text(
+        f"import re\nLOG = {str(log)!r}\n{CLOSER}\n\n{inspect.getsource(boxed_as_call)}"
+    )
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    keys = {k: v for k, v in SMALL.items() if not k.startswith("env.tool_")}
+    keys |= {**ASYNC_D0, "grpo.val_period": 0, "cluster.executor": "ray"}
+    keys |= {"env.environment_factory": f"{tmp_path}/closer.py:Closer", "grpo.async_grpo.max_trajectory_age_steps": 1}
+    keys["env.tool_call_parser"] = f"{tmp_path}/closer.py:boxed_as_call"
+    with pytest.raises(Exception, match="Closer.get_reward failed on dataset row"):
+        relayrl.train(run_dir=tmp_path / "run", overrides=keys)
+    lines = log.read_text().split()
+    opened = set(lines[1::2][i] for i, w in enumerate(lines[0::2]) if w == "open")
+    closed = [lines[1::2][i] for i, w in enumerate(lines[0::2]) if w == "close"]
+    assert len(opened) >= 6 and sorted(closed) == sorted(opened), lines  # each one closed, once
