@@ -112,7 +112,7 @@ ASYNC_D0 = {
     "policy.generation.colocated.enabled": False,
     "policy.generation.colocated.resources.num_nodes": 1,
     "policy.generation.colocated.resources.workers_per_node": 1,
-    "grpo.val_period": 1,  # validation's episodes (between steps 1 and 2): the trainer's actor, its own instances
+    "grpo.val_at_start": True,  # validation's episodes (as the producer starts): the trainer's actor, its own instances
     "grpo.max_val_samples": 2,
     "grpo.val_batch_size": 2,
 }
@@ -121,8 +121,8 @@ ASYNC_D0 = {
 def test_multi_turn_async_on_ray_at_age_zero_logs_the_synchronous_numbers(runs, tmp_path, monkeypatch) -> None:
     """Environment classes on asynchronous GRPO on Ray, d = 0: the producer's rollout actor plays the episodes with
     instances of its own (malformed calls penalised per token in its rows) and the run logs what the synchronous run
-    logs, its `train/env/*` counts and recorded turns included; validation after each step plays on the trainer's
-    actor and adds nothing to the producer's counts."""
+    logs, its `train/env/*` counts and recorded turns included; validation at the start plays on the trainer's actor
+    while the producer makes batch 1, and adds nothing to the producer's counts."""
     monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
     run = relayrl.train(
         environment_factory=_by_value(),
@@ -131,7 +131,7 @@ def test_multi_turn_async_on_ray_at_age_zero_logs_the_synchronous_numbers(runs, 
         overrides={**SMALL, **ASYNC_D0, "cluster.executor": "ray"},
     ).run_dir
     sync, d0 = metrics_by_step(runs["ray"]), metrics_by_step(run)
-    assert sorted(sync) == sorted(d0) == [1, 2]
+    assert sorted(sync) == [1, 2] and sorted(d0) == [0, 1, 2]  # step 0: validation at the start
     keys = ("train/reward", "train/loss", "train/grad_norm", "train/reward/checks", "train/avg_turns_per_sample")
     keys += tuple(k for k in sync[1] if k.startswith(("train/env/", "train/advantages/")) and "latency" not in k)
     for step in (1, 2):
@@ -140,7 +140,7 @@ def test_multi_turn_async_on_ray_at_age_zero_logs_the_synchronous_numbers(runs, 
         assert d0[step]["train/env/episodes"] == 4  # the producer's 4 episodes; validation's are not counted here
     assert sum(d0[s]["train/env/invalid_tool_calls"] for s in (1, 2)) > 0
     assert min(d0[s]["train/advantages/min"] for s in (1, 2)) == -1.0  # the malformed calls' tokens: penalised
-    assert "validation/accuracy" in d0[1] and "validation/accuracy" in d0[2]
+    assert "validation/accuracy" in d0[0] and not any(k.startswith("train/") for k in d0[0])
     same = ("prompt", "completion", "reward_env", "env_metadata", "turns")
     for step in (1, 2):  # the flight recorder's rows came from the producer's actor with each batch
         rows = [pq.read_table(r / "rollouts" / f"step_{step:06d}.parquet").to_pylist() for r in (runs["ray"], run)]
@@ -365,7 +365,8 @@ def test_async_on_ray_closes_the_producers_episodes_when_the_run_fails(ray_clust
     )
     monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
     keys = {k: v for k, v in SMALL.items() if not k.startswith("env.tool_")}
-    keys |= {**ASYNC_D0, "grpo.val_period": 0, "cluster.executor": "ray"}
+    keys |= {k: v for k, v in ASYNC_D0.items() if not k.startswith("grpo.val_")}
+    keys |= {"grpo.val_period": 0, "cluster.executor": "ray"}
     keys |= {"env.environment_factory": f"{tmp_path}/closer.py:Closer", "grpo.async_grpo.max_trajectory_age_steps": 1}
     keys["env.tool_call_parser"] = f"{tmp_path}/closer.py:boxed_as_call"
     with pytest.raises(Exception, match="Closer.get_reward failed on dataset row"):
