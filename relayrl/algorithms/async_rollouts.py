@@ -264,8 +264,10 @@ class RolloutProducer:
         if self._error is None:
             raise ProducerDiedError(f"rollout producer ended early: {what}")
         index, exc = self._error
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise ProducerDiedError(f"rollout producer died at batch {index} ({type(exc).__name__}: {first})") from exc
+        cause = getattr(exc, "cause", None)  # a Ray task's error (the producer's actor on Ray): the error it wraps
+        shown = cause if isinstance(cause, Exception) else exc
+        first = (str(shown).strip().splitlines() or [""])[0]
+        raise ProducerDiedError(f"rollout producer died at batch {index} ({type(shown).__name__}: {first})") from exc
 
     # ------------------------------------------------------------------ producer thread
     def _run(self) -> None:

@@ -11,9 +11,9 @@ samples; each batch's partition retired after its step; checkpoints that drain a
 a resume logs what the uninterrupted run logs.
 
 This module builds what the producer generates with (`ProducerSide`, per executor: locally with a copy of the
-environments of its own, since validation rolls out on the trainer's thread at the same time; environment classes'
-episodes then live in the producer, and the batches in flight at a checkpoint come back from it with their rows and
-counts), restores a checkpoint's batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where
+environments of its own, since validation rolls out on the trainer's thread at the same time; on Ray its own rollout
+actor, which builds its own instances. Environment classes' episodes then live in the producer, and the batches in
+flight at a checkpoint come back from it with their rows and counts), restores a checkpoint's batches and starts the run. How to use it: the README's "Asynchronous GRPO"; where
 the producer generates and how it shares workers with validation: docs/design.md.
 """
 
@@ -26,11 +26,7 @@ import torch
 
 from relayrl.algorithms.async_rollouts import LookaheadLoader, ProducerEngine
 from relayrl.algorithms.async_state import ASYNC_STATE, load_producer_state, restore_batches
-from relayrl.algorithms.grpo_sync import (
-    GRPOSyncSteps,
-    grpo_rollout_spec,
-    raise_if_message_level_advantage_penalties_enabled,
-)
+from relayrl.algorithms.grpo_sync import GRPOSyncSteps, grpo_rollout_spec
 from relayrl.algorithms.interfaces import LossFunction
 from relayrl.algorithms.producer_source import ASYNC_FLIGHT_ROWS, PinnedSource, ProducerSide, ProducerSource
 from relayrl.algorithms.protocols import BatchLoader, DataPlanePolicy, Generation, RolloutActor, Tokenizer
@@ -164,8 +160,6 @@ def grpo_train_async(
     cfg = master_config
     if not (cfg.data_plane.enabled and cfg.grpo.async_grpo.enabled):
         raise ValueError("grpo_train_async needs data_plane.enabled=true and grpo.async_grpo.enabled=true")
-    if cfg.cluster.executor == "ray":  # the local producer's rows carry the per-token penalties; Ray's is untested
-        raise_if_message_level_advantage_penalties_enabled(cfg)
 
     timer = Timer()
     val_actor: RolloutActor = rollout_actor_cls(cfg)(policy_generation, tokenizer, task_to_env, cfg, cfg.data_plane)

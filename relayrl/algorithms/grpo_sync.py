@@ -377,8 +377,8 @@ class GRPOSyncSteps:
 def raise_if_message_level_advantage_penalties_enabled(master_config: MasterConfig) -> None:
     """Raise NotImplementedError naming the message-level advantage penalty keys set (`grpo.invalid_tool_call_advantage`,
     `grpo.malformed_thinking_advantage`, or their `reward_penalties.*` spellings): the reference's refusal on its
-    asynchronous trainer. Here asynchronous GRPO on the local executor applies them (its producer's rows carry the
-    per-token overrides, as the synchronous trainers' do); on Ray it still refuses them."""
+    asynchronous trainer. Here asynchronous GRPO applies them on both executors (its producer's rows carry the
+    per-token overrides, as the synchronous trainers' do): kept for the reference's name."""
     keys = message_level_advantage_keys(master_config)
     if keys:
         names = ", ".join(keys)

@@ -346,13 +346,8 @@ class MasterConfig(Strict):
 
 def apply_environment_defaults(cfg: MasterConfig, several: bool) -> None:
     """Environment classes (`env.environment_factory`, or `relayrl.train(environment_factory=...)`): their rows are
-    the datasets' default task (one class) or are routed by their `environment` column (several); the trainers
-    that cannot run per-rollout environments yet are refused (ValueError, one line)."""
-    if cfg.cluster.executor == "ray" and cfg.algorithm == "grpo" and cfg.grpo.async_grpo.enabled:
-        raise ValueError(
-            "environment classes (env.environment_factory) with grpo.async_grpo.enabled=true run on "
-            "cluster.executor=local only for now; use the local executor, or the synchronous trainer on Ray"
-        )
+    the datasets' default task (one class) or are routed by their `environment` column (several). Every trainer
+    runs them (asynchronous GRPO on Ray: in the producer's rollout actor, which builds instances of its own)."""
     for ds in (cfg.data.train, cfg.data.validation):
         if ds is None:
             continue

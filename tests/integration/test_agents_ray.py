@@ -11,6 +11,7 @@ comparison for the legacy GRPO trainer, PPO and a served environment's full run.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -21,14 +22,16 @@ import pyarrow.parquet as pq
 import pytest
 
 import relayrl
+from relayrl.algorithms.async_state import ASYNC_STATE
 from relayrl.algorithms.setup import SetupError
 from relayrl.cli.main import main
 from relayrl.config import MasterConfig
 from relayrl.environments.registry import build_tool_environments
 from relayrl.experience.ray_rollout import receive_environments, ship_environments
 from relayrl.utils.config_io import load_config
-from tests.agent_envs import MULTI_TURN, SLOW_CHECKER, checks, user_class
-from tests.helpers import metrics_by_step
+from relayrl.utils.state_file import load_state_file
+from tests.agent_envs import CHECKER, MULTI_TURN, SLOW_CHECKER, boxed_as_call, checks, user_class
+from tests.helpers import metrics_by_step, sigkill_after_checkpoint
 
 ray = pytest.importorskip("ray")
 
@@ -100,6 +103,49 @@ def test_a_multi_turn_run_on_ray_logs_the_local_executors_numbers(runs) -> None:
         cut = [t for r in rows["ray"] for t in json.loads(r["tool_latency_s"]) if t >= 1.0]
         assert cut == [1.0] * int(on_ray[step]["train/env/tool_timeouts"])  # a hung call cost its deadline, not 4 s
     assert recorded_calls == total["tool_calls"]  # every call that ran, with its arguments and result
+
+
+#: Asynchronous GRPO on Ray generates on a dedicated worker (the producer's rollout actor drives it).
+ASYNC_D0 = {
+    "grpo.async_grpo.enabled": True,
+    "grpo.async_grpo.max_trajectory_age_steps": 0,
+    "policy.generation.colocated.enabled": False,
+    "policy.generation.colocated.resources.num_nodes": 1,
+    "policy.generation.colocated.resources.workers_per_node": 1,
+    "grpo.val_at_start": True,  # validation's episodes (as the producer starts): the trainer's actor, its own instances
+    "grpo.max_val_samples": 2,
+    "grpo.val_batch_size": 2,
+}
+
+
+def test_multi_turn_async_on_ray_at_age_zero_logs_the_synchronous_numbers(runs, tmp_path, monkeypatch) -> None:
+    """Environment classes on asynchronous GRPO on Ray, d = 0: the producer's rollout actor plays the episodes with
+    instances of its own (malformed calls penalised per token in its rows) and the run logs what the synchronous run
+    logs, its `train/env/*` counts and recorded turns included; validation at the start plays on the trainer's actor
+    while the producer makes batch 1, and adds nothing to the producer's counts."""
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    run = relayrl.train(
+        environment_factory=_by_value(),
+        reward_fns=[checks],
+        run_dir=tmp_path / "async",
+        overrides={**SMALL, **ASYNC_D0, "cluster.executor": "ray"},
+    ).run_dir
+    sync, d0 = metrics_by_step(runs["ray"]), metrics_by_step(run)
+    assert sorted(sync) == [1, 2] and sorted(d0) == [0, 1, 2]  # step 0: validation at the start
+    keys = ("train/reward", "train/loss", "train/grad_norm", "train/reward/checks", "train/avg_turns_per_sample")
+    keys += tuple(k for k in sync[1] if k.startswith(("train/env/", "train/advantages/")) and "latency" not in k)
+    for step in (1, 2):
+        assert {k: d0[step][k] for k in keys} == {k: sync[step][k] for k in keys}, step
+        assert d0[step]["train/async/generating_weight_version"] == step - 1
+        assert d0[step]["train/env/episodes"] == 4  # the producer's 4 episodes; validation's are not counted here
+    assert sum(d0[s]["train/env/invalid_tool_calls"] for s in (1, 2)) > 0
+    assert min(d0[s]["train/advantages/min"] for s in (1, 2)) == -1.0  # the malformed calls' tokens: penalised
+    assert "validation/accuracy" in d0[0] and not any(k.startswith("train/") for k in d0[0])
+    same = ("prompt", "completion", "reward_env", "env_metadata", "turns")
+    for step in (1, 2):  # the flight recorder's rows came from the producer's actor with each batch
+        rows = [pq.read_table(r / "rollouts" / f"step_{step:06d}.parquet").to_pylist() for r in (runs["ray"], run)]
+        assert [{k: r[k] for k in same} for r in rows[1]] == [{k: r[k] for k in same} for r in rows[0]]
+        assert any('"role": "tool"' in r["turns"] for r in rows[1])
 
 
 def test_a_failing_reset_on_ray_ends_the_cli_run_with_one_line(ray_cluster, tmp_path, monkeypatch, capsys) -> None:
@@ -237,3 +283,95 @@ def test_other_trainers_and_a_served_run_on_ray_log_the_local_numbers(ray_cluste
         overrides |= {"algorithm": "ppo", "value.train_global_batch_size": 4, "value.train_micro_batch_size": 2}
     counts = _same_numbers(tmp_path, overrides, environment_factory=_by_value(), reward_fns=[checks])
     assert counts["train/env/tool_calls"] > 0 and counts["train/env/tool_timeouts"] > 0
+
+
+@pytest.mark.slow
+def test_multi_turn_async_on_ray_resumes_exactly_after_sigkill(ray_cluster, tmp_path, monkeypatch) -> None:
+    """Beside the suite (`-m slow`): async GRPO on Ray, d = 1, 4 steps, a `file.py:Class` environment. The driver
+    SIGKILLed the moment its step-2 checkpoint (batches 3 and 4 rolled out, their episodes ended, not trained on) is
+    published, then resumed: it logs the uninterrupted run's metrics and recorded turns (the batches in flight come
+    back from the checkpoint with their rows, counts and turns, never replayed against new instances)."""
+    checker = tmp_path / "checker.py"
+    checker.write_text(f"import re\n{CHECKER}\n\n{inspect.getsource(boxed_as_call)}")
+    keys = {k: v for k, v in SMALL.items() if not k.startswith(("env.tool_", "grpo.val_"))}
+    keys |= {k: v for k, v in ASYNC_D0.items() if not k.startswith("grpo.val_")}
+    keys |= {"grpo.async_grpo.max_trajectory_age_steps": 1, "grpo.max_num_steps": 4, "checkpointing.enabled": True}
+    keys |= {"checkpointing.save_period": 2, "grpo.val_period": 0, "cluster.executor": "ray"}
+    keys |= {"env.environment_factory": f"{checker}:Checker", "env.tool_call_parser": f"{checker}:boxed_as_call"}
+    args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()]
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    assert main(["train", "--run-dir", str(tmp_path / "a"), *args]) == 0
+    killed = tmp_path / "killed"
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)  # the killed driver joins this cluster
+    sigkill_after_checkpoint(["-m", "relayrl.cli.main", "train", "--run-dir", str(killed), *args],
+                             killed / "checkpoints" / "step_2")  # fmt: skip
+    saved = load_state_file(killed / "checkpoints" / "step_2" / ASYNC_STATE)
+    assert [(b["index"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)]
+    assert all(b["rollout_metrics"]["env/episodes"] == 4 for b in saved["batches"])
+    assert main(["train", "--run-dir", str(killed), *args]) == 0
+    skip = ("per_sec", "bytes", "fraction", "latency", "timing")
+    reference, resumed = (metrics_by_step(d, ("train/",), skip=skip) for d in (tmp_path / "a", killed))
+    assert sorted(reference) == [1, 2, 3, 4] and sum(reference[s]["train/env/tool_calls"] for s in reference) > 0
+    for step in range(1, 5):
+        assert resumed[step] == reference[step], f"step {step} differs (steps 3-4: after the resume)"
+    for step in (3, 4):
+        name = f"rollouts/step_{step:06d}.parquet"
+        a, b = (pq.read_table(d / name).drop(["sample_key", "tool_latency_s"]) for d in (tmp_path / "a", killed))
+        assert a.num_rows == 4 and a.equals(b), f"recorded rollouts of step {step} differ after the resume"
+
+
+CLOSER = """
+import itertools, os
+
+class Closer:
+    made = itertools.count()
+
+    def __init__(self):
+        self.n = next(Closer.made)
+        self._log("open")
+
+    def _log(self, what):
+        with open(LOG, "a") as f:
+            f.write(f"{what} {os.getpid()}-{self.n}\\n")
+
+    def reset(self, answer, **row):
+        pass
+
+    def check(self, value: str) -> str:
+        \"\"\"Check a candidate answer.
+
+        Args:
+            value: the candidate answer
+        \"\"\"
+        return "checked"
+
+    def get_reward(self) -> float:
+        if self.n == 5:
+            raise RuntimeError("get_reward failed")
+        return 0.0
+
+    def close(self):
+        self._log("close")
+"""
+
+
+@pytest.mark.slow
+def test_async_on_ray_closes_the_producers_episodes_when_the_run_fails(ray_cluster, tmp_path, monkeypatch) -> None:
+    """Beside the suite (`-m slow`): batch 1's episodes end and close in the producer's actor; in batch 2 its instance
+    5 fails in `get_reward`, the run ends with the class's one line, and every instance the actor made is closed."""
+    log = tmp_path / "instances.log"
+    (tmp_path / "closer.py").write_text(
+        f"import re\nLOG = {str(log)!r}\n{CLOSER}\n\n{inspect.getsource(boxed_as_call)}"
+    )
+    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
+    keys = {k: v for k, v in SMALL.items() if not k.startswith("env.tool_")}
+    keys |= {k: v for k, v in ASYNC_D0.items() if not k.startswith("grpo.val_")}
+    keys |= {"grpo.val_period": 0, "cluster.executor": "ray"}
+    keys |= {"env.environment_factory": f"{tmp_path}/closer.py:Closer", "grpo.async_grpo.max_trajectory_age_steps": 1}
+    keys["env.tool_call_parser"] = f"{tmp_path}/closer.py:boxed_as_call"
+    with pytest.raises(Exception, match="Closer.get_reward failed on dataset row"):
+        relayrl.train(run_dir=tmp_path / "run", overrides=keys)
+    lines = log.read_text().split()
+    opened = set(lines[1::2][i] for i, w in enumerate(lines[0::2]) if w == "open")
+    closed = [lines[1::2][i] for i, w in enumerate(lines[0::2]) if w == "close"]
+    assert len(opened) >= 6 and sorted(closed) == sorted(opened), lines  # each one closed, once

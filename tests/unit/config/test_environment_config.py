@@ -32,7 +32,7 @@ def test_one_class_is_the_default_task_several_are_routed_by_the_environment_col
     assert given.data.train.default_task == "math"  # a key the user set wins
 
 
-#: What async GRPO on Ray needs besides (dedicated generation workers), so that only the environment is refused.
+#: What async GRPO on Ray needs besides the environment class (dedicated generation workers).
 ASYNC_ON_RAY_GENERATION = {
     "generation": {"colocated": {"enabled": False, "resources": {"num_nodes": 1, "workers_per_node": 1}}}
 }
@@ -41,14 +41,6 @@ ASYNC_ON_RAY_GENERATION = {
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
-        (
-            {
-                "grpo": {"async_grpo": {"enabled": True}},
-                "cluster": {"executor": "ray"},
-                "policy": ASYNC_ON_RAY_GENERATION,
-            },
-            "executor=local only for now",
-        ),  # fmt: skip
         ({"env": {"environment_factory": "no_colon"}}, "must look like module:Class"),
         ({"env": {"environment_factory": {}}}, "empty mapping"),
         ({"env": {"tool_call_parser": "nope"}}, "must be 'hermes' or module:function"),
@@ -60,6 +52,16 @@ def test_refused_in_one_line(keys: dict, message: str) -> None:
         raw["env"] = {"environment_factory": "mod:Cls", **keys["env"]}
     with pytest.raises(ValueError, match=message):
         MasterConfig(**raw)
+
+
+def test_async_grpo_on_ray_takes_environment_classes_and_message_penalties() -> None:
+    cfg = MasterConfig(
+        env={"environment_factory": "mod:Cls"},
+        grpo={"async_grpo": {"enabled": True}, "invalid_tool_call_advantage": -1.0},
+        cluster={"executor": "ray"},
+        policy=ASYNC_ON_RAY_GENERATION,
+    )
+    assert cfg.data.train.default_task == "environment" and cfg.data_plane.backend == "ray"
 
 
 def test_python_classes_set_the_same_defaults_and_refusals() -> None:
