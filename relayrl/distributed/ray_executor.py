@@ -4,7 +4,9 @@ Layout: a placement group with one bundle per rank (`{"CPU": cpus_per_worker, "G
 reserves the resources up front, so a group either starts whole or fails with a clear message instead of leaving
 half its ranks waiting. Each actor hosts exactly one worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`);
 the collective is a `TorchDistCollective` (gloo on CPU, nccl on CUDA) rendezvousing through the env vars the
-group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT).
+group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and RELAYRL_NODE_ID, the Ray node
+id). A group given `node_ids` has no placement group: rank r is pinned to node `node_ids[r]` (colocated generation
+workers next to their training ranks).
 
 Failure model: a rank whose process dies (OOM kill, `ray.kill`, node loss) makes every call fail within seconds
 with `WorkerDiedError("rank r died ...")`; the survivors are usually blocked inside a collective waiting for the
