@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from relayrl.distributed.errors import RemoteTimeoutError
 from relayrl.distributed.refit import NODE_ID_ENV
 
 __all__ = ["NODE_ID_ENV", "absolute_local_path", "check_nodes_see", "on_driver_node", "on_node"]
@@ -59,8 +61,6 @@ def check_nodes_see(run_dir: Path, paths: Mapping[str, str], timeout_s: float) -
     """Refuse (ValueError, one line) a run whose run directory or model paths are not visible on every alive node.
 
     `paths`: {config key: absolute local path} that every rank reads (e.g. policy.model_name)."""
-    from relayrl.distributed.ray_executor import get_within
-
     token = secrets.token_hex(16)
     token_path = run_dir / _TOKEN_FILE
     token_path.write_text(token, encoding="utf-8")
@@ -71,7 +71,12 @@ def check_nodes_see(run_dir: Path, paths: Mapping[str, str], timeout_s: float) -
             probe.options(scheduling_strategy=on_node(n["NodeID"])).remote(str(token_path), token, dict(paths))
             for n in nodes
         ]
-        views = get_within(refs, timeout_s, "the storage check on every Ray node", "cluster.start_timeout_s")
+        try:
+            views = ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError as exc:
+            raise RemoteTimeoutError(
+                f"the storage check on every Ray node did not answer within {timeout_s:g}s (cluster.start_timeout_s)"
+            ) from exc
     finally:
         token_path.unlink(missing_ok=True)
     for node, view in zip(nodes, views):
