@@ -123,6 +123,22 @@ def start_ray_for_run(cfg: MasterConfig) -> None:
     ensure_ray(c.model_copy(update={"num_nodes": 1, "workers_per_node": ranks}))
 
 
+def check_cluster_storage(cfg: MasterConfig, run_dir: Path) -> MasterConfig:
+    """`cfg` with local model paths made absolute on the driver (each actor has its own working directory), after
+    checking that every Ray node sees the run directory and those paths (one line naming a node that does not)."""
+    from relayrl.distributed.ray_nodes import absolute_local_path, check_nodes_see
+
+    policy = cfg.policy.model_copy(update={"model_name": absolute_local_path(cfg.policy.model_name)})
+    value = cfg.value.model_copy(update={"model_name": absolute_local_path(cfg.value.model_name)})
+    cfg = cfg.model_copy(update={"policy": policy, "value": value})
+    named = {"policy.model_name": policy.model_name}
+    if cfg.algorithm == "ppo":
+        named["value.model_name"] = value.model_name
+    local = {key: path for key, path in named.items() if Path(path).is_absolute()}  # Hub ids and builtins: per node
+    check_nodes_see(run_dir, local, cfg.cluster.start_timeout_s)
+    return cfg
+
+
 def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedWeights, seed: int) -> Generation:
     """The generation engine: in-process over the policy's live weights (local executor), or Ray generation
     workers kept in sync by refit (Ray executor; they call the policy's refit methods, which no Protocol names)."""
@@ -222,6 +238,8 @@ def _setup(
             "(or reward_fns= in relayrl.train)"
         )
     start_ray_for_run(cfg)
+    if cfg.cluster.executor == "ray":  # every node must see the run directory and the model paths: checked now
+        cfg = check_cluster_storage(cfg, run_dir)
     if tool_envs and cfg.cluster.executor == "ray" and cfg.data_plane.enabled:  # rollouts run in a Ray actor
         check_environments_ship(tool_envs, cfg.cluster.start_timeout_s)  # its classes must load there: checked now
     checkpointer = CheckpointManager(cfg.checkpointing, checkpoint_dir)

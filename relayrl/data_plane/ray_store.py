@@ -183,16 +183,15 @@ def build_client(
             f"a ray data plane store named {actor_name!r} already runs in namespace {NAMESPACE!r}; attach to it "
             "with bootstrap=False, or close the client that started it"
         )
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from relayrl.distributed.ray_nodes import on_driver_node
 
-    here = ray.get_runtime_context().get_node_id()  # the driver writes most data: keep the store next to it
     try:
         actor = start_host(
             _RemoteStore,
             actor_name,
             cfg.storage_capacity,
             max(1.0, timeout),
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
+            scheduling_strategy=on_driver_node(),  # the driver writes most data; a lost node never holds it
         )
     except Exception as e:
         raise RuntimeError(f"the ray data plane store actor did not start: {type(e).__name__}: {e}") from e

@@ -8,7 +8,7 @@ collective. Ray is imported only when the Ray executor is chosen, so the local p
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -39,9 +39,25 @@ def build_worker_group(worker_cls: Callable[..., W], cluster: ClusterConfig, **i
     `ray`: one actor per rank in a placement group; joins `cluster.ray_address` or starts a local Ray if none is
     running. Worker classes and init kwargs must be picklable for Ray.
     """
+    return _build(worker_cls, cluster, None, init_kwargs)
+
+
+def build_worker_group_on_nodes(
+    worker_cls: Callable[..., W], cluster: ClusterConfig, node_ids: Sequence[str] | None, **init_kwargs: Any
+) -> WorkerGroup[W]:
+    """`build_worker_group`, with rank r on Ray node `node_ids[r]` (colocated generation workers next to their
+    training ranks) when node_ids is given; None: placed as `build_worker_group` places them."""
+    return _build(worker_cls, cluster, node_ids, init_kwargs)
+
+
+def _build(
+    worker_cls: Callable[..., W], cluster: ClusterConfig, node_ids: Sequence[str] | None, init_kwargs: dict[str, Any]
+) -> WorkerGroup[W]:
     if not isinstance(cluster, ClusterConfig):
         raise TypeError(f"build_worker_group: cluster must be a ClusterConfig, got {type(cluster).__name__}")
     if cluster.executor == "local":
+        if node_ids is not None:
+            raise ValueError("build_worker_group: node_ids places Ray actors; the local executor has none")
         return LocalWorkerGroup(worker_cls, world_size(cluster), **init_kwargs)
     if cluster.executor == "ray":
         try:
@@ -50,7 +66,7 @@ def build_worker_group(worker_cls: Callable[..., W], cluster: ClusterConfig, **i
             raise ImportError(
                 "cluster.executor='ray' needs Ray: install relayrl with the 'ray' extra (pip install 'relayrl[ray]')"
             ) from exc
-        return RayWorkerGroup(worker_cls, cluster, **init_kwargs)
+        return RayWorkerGroup(worker_cls, cluster, node_ids=node_ids, **init_kwargs)
     raise ValueError(f"cluster.executor must be 'local' or 'ray', got {cluster.executor!r}")
 
 

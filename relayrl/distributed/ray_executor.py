@@ -4,7 +4,9 @@ Layout: a placement group with one bundle per rank (`{"CPU": cpus_per_worker, "G
 reserves the resources up front, so a group either starts whole or fails with a clear message instead of leaving
 half its ranks waiting. Each actor hosts exactly one worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`);
 the collective is a `TorchDistCollective` (gloo on CPU, nccl on CUDA) rendezvousing through the env vars the
-group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT).
+group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and RELAYRL_NODE_ID, the Ray node
+id). A group given `node_ids` has no placement group: rank r is pinned to node `node_ids[r]` (colocated generation
+workers next to their training ranks).
 
 Failure model: a rank whose process dies (OOM kill, `ray.kill`, node loss) makes every call fail within seconds
 with `WorkerDiedError("rank r died ...")`; the survivors are usually blocked inside a collective waiting for the
@@ -35,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from relayrl.config import ClusterConfig
 from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
 from relayrl.distributed.interfaces import method_name
+from relayrl.distributed.ray_nodes import NODE_ID_ENV, on_node
 from relayrl.distributed.refit import private_ipc_dir
 
 W = TypeVar("W")
@@ -246,6 +249,7 @@ class RayWorkerGroup(Generic[W]):
         error_grace_s: float = 10.0,
         call_timeout_s: float | None = None,
         poll_s: float = 0.5,
+        node_ids: Sequence[str] | None = None,
         **init_kwargs: Any,
     ) -> None:
         self._world = cluster.num_nodes * cluster.workers_per_node
@@ -262,6 +266,10 @@ class RayWorkerGroup(Generic[W]):
         self._actors: list[Any] = []
         self._pg: PlacementGroup | None = None
         self.pids: list[int] = []  # one process per rank, in rank order
+        self.node_ids: list[str] = []  # the Ray node of each rank, in rank order
+        self._pinned = list(node_ids) if node_ids is not None else None
+        if self._pinned is not None and len(self._pinned) != self._world:
+            raise ValueError(f"node_ids names {len(self._pinned)} nodes for {self._world} ranks")
         self.placement_group_id: str | None = None
         self.started_ray = ensure_ray(cluster)
         try:
@@ -283,8 +291,43 @@ class RayWorkerGroup(Generic[W]):
                     f"Ray cluster has {total.get(res, 0.0):g} in total"
                 )
         # one node: a bundle per rank, packed; several: a bundle per node (its workers_per_node ranks) on distinct
-        # nodes, so that num_nodes means nodes and NODE_RANK/LOCAL_RANK follow from the placement
+        # nodes, so that num_nodes means nodes and NODE_RANK/LOCAL_RANK follow from the placement; `node_ids`:
+        # rank r on node node_ids[r] (colocated generation, next to its training rank), no placement group
         per_node = cluster.num_nodes > 1
+        wpn = cluster.workers_per_node
+        if self._pinned is not None:
+            self._start_actors(cluster, None, per_node)
+        else:
+            self._reserve(bundle, cluster, timeout, per_node)
+            self._start_actors(cluster, self._pg, per_node)
+        infos = self._gather(
+            [(r, a.node_info.remote()) for r, a in enumerate(self._actors)], "start-up", timeout, self._start_key
+        )
+        self.pids = [int(i["pid"]) for i in infos]
+        self.node_ids = [str(i["node_id"]) for i in infos]
+        nodes = list(dict.fromkeys(self.node_ids))  # node order of first appearance
+        seen: dict[str, int] = {}
+        payload = ray.put(cloudpickle.dumps((worker_cls, init_kwargs)))
+        refs = []
+        for r, (actor, info) in enumerate(zip(self._actors, infos)):
+            local_rank = seen.get(info["node_id"], 0)
+            seen[info["node_id"]] = local_rank + 1
+            node_rank = nodes.index(info["node_id"])
+            if per_node:  # from the placement: bundle r // workers_per_node is node r // workers_per_node
+                local_rank, node_rank = r % wpn, r // wpn
+            rank_env = {
+                "LOCAL_RANK": str(local_rank),
+                "NODE_RANK": str(node_rank),
+                NODE_ID_ENV: str(info["node_id"]),  # what pairs a colocated generation worker with its rank
+                "MASTER_ADDR": str(infos[0]["ip"]),
+                "MASTER_PORT": str(infos[0]["port"]),
+            }
+            settings = (cluster.torch_num_threads, cluster.deterministic, cluster.retain_freed_memory)
+            refs.append((r, actor.setup.remote(rank_env, payload, *settings)))
+        self._gather(refs, "worker construction", timeout, self._start_key)
+
+    def _reserve(self, bundle: dict[str, float], cluster: ClusterConfig, timeout: float, per_node: bool) -> None:
+        """The placement group of the ranks: a bundle per rank (PACK), or per node on distinct nodes."""
         wpn = cluster.workers_per_node
         if per_node:
             node_bundle = {res: amount * wpn for res, amount in bundle.items()}
@@ -301,43 +344,29 @@ class RayWorkerGroup(Generic[W]):
                 f"placement group of {self._world} x {bundle} not ready after {timeout:g}s ({self._start_key}); Ray has "
                 f"{ray.available_resources()} available (other groups or actors may hold them)"
             ) from exc
+
+    def _start_actors(self, cluster: ClusterConfig, pg: PlacementGroup | None, per_node: bool) -> None:
+        """One actor per rank, in its placement group bundle, or pinned to its node (`node_ids`)."""
+        wpn = cluster.workers_per_node
         private_ipc_dir()  # this run's refit sockets: the directory's path travels to every rank in the env
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
         actor_cls = ray.remote(_RankHost)
         for r in range(self._world):
+            if self._pinned is not None:
+                strategy: Any = on_node(self._pinned[r])
+            elif pg is not None:
+                index = r // wpn if per_node else r
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+            else:
+                raise RuntimeError("a Ray worker group needs node_ids or a placement group")
             self._actors.append(
                 actor_cls.options(
                     num_cpus=cluster.cpus_per_worker,
                     num_gpus=cluster.gpus_per_worker,
                     max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._pg, placement_group_bundle_index=r // wpn if per_node else r
-                    ),
+                    scheduling_strategy=strategy,
                 ).remote(r, self._world, {**env, "RANK": str(r), "WORLD_SIZE": str(self._world)})
             )
-        infos = self._gather(
-            [(r, a.node_info.remote()) for r, a in enumerate(self._actors)], "start-up", timeout, self._start_key
-        )
-        self.pids = [int(i["pid"]) for i in infos]
-        nodes = list(dict.fromkeys(i["node_id"] for i in infos))  # node order of first appearance
-        seen: dict[str, int] = {}
-        payload = ray.put(cloudpickle.dumps((worker_cls, init_kwargs)))
-        refs = []
-        for r, (actor, info) in enumerate(zip(self._actors, infos)):
-            local_rank = seen.get(info["node_id"], 0)
-            seen[info["node_id"]] = local_rank + 1
-            node_rank = nodes.index(info["node_id"])
-            if per_node:  # from the placement: bundle r // workers_per_node is node r // workers_per_node
-                local_rank, node_rank = r % wpn, r // wpn
-            rank_env = {
-                "LOCAL_RANK": str(local_rank),
-                "NODE_RANK": str(node_rank),
-                "MASTER_ADDR": str(infos[0]["ip"]),
-                "MASTER_PORT": str(infos[0]["port"]),
-            }
-            settings = (cluster.torch_num_threads, cluster.deterministic, cluster.retain_freed_memory)
-            refs.append((r, actor.setup.remote(rank_env, payload, *settings)))
-        self._gather(refs, "worker construction", timeout, self._start_key)
 
     # ------------------------------------------------------------------ WorkerGroup protocol
     @property

@@ -44,6 +44,8 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ALIGN = 512
 COMPLETE = b"COMPLETE"
 IPC_DIR_ENV = "RELAYRL_REFIT_IPC_DIR"
+#: The Ray node id of a rank's node, set in its environment by the Ray executor (pairs colocated refit sockets).
+NODE_ID_ENV = "RELAYRL_NODE_ID"
 
 
 def refit_info(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> RefitInfo:
@@ -91,12 +93,15 @@ def load_into_module(module: torch.nn.Module) -> LoadFn:
 
 
 # ---------------------------------------------------------------------------------------------------- ZMQ IPC
-def device_ipc_tag(device: torch.device, local_rank: int) -> str:
+def device_ipc_tag(device: torch.device, local_rank: int, node: str | None = None) -> str:
     """What pairs a training worker with the generation worker on the same device: the GPU UUID, or on the
-    CPU the host name and local rank (both sides must use the same local rank)."""
+    CPU the node and local rank (both sides must use the same local rank). The node is the Ray node id `node`, else
+    the one the executor put in the rank's environment (RELAYRL_NODE_ID: host names need not tell nodes apart), its
+    first 8 hex digits (Ray draws node ids at random; a socket path has at most 107 bytes), else the host name."""
     if device.type == "cuda":
         return f"gpu-{torch.cuda.get_device_properties(device).uuid}"
-    return f"{socket.gethostname()}-cpu{local_rank}"
+    node = node or os.environ.get(NODE_ID_ENV)
+    return f"{node[:8] if node else socket.gethostname()}-cpu{local_rank}"
 
 
 def private_ipc_dir() -> str:

@@ -105,7 +105,10 @@ class RayRolloutActor:
             raise TypeError("RayRolloutActor needs Ray generation workers (DistributedGeneration)")
         self._ray = ray
         c = master_config.cluster
-        actor_cls = ray.remote(num_cpus=0, max_restarts=0)(_HostedRolloutActor)
+        from relayrl.distributed.ray_nodes import on_driver_node
+
+        # on the driver's node: the driver calls it every step, and a lost node never holds it
+        actor_cls = ray.remote(num_cpus=0, max_restarts=0, scheduling_strategy=on_driver_node())(_HostedRolloutActor)
         envs = ship_environments(task_to_env)
         self._actor = actor_cls.remote(
             policy_generation,  # pickled as a copy: workers + generator state, never the policy

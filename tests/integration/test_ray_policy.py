@@ -110,12 +110,14 @@ def check_refit(policy: Policy, cfg: PolicyConfig) -> None:
     assert group.receive_weights(info, refit.load_into_module(gen)) == kv
     assert [h.result() for h in sent] == [True, True]
     assert_bit_identical(live, gen)
-    # colocated: each training rank streams to "its" generation worker on the same device (here: host + local rank)
+    # colocated: each training rank streams to "its" generation worker on the same device (here: Ray node id +
+    # local rank; the ranks run on this driver's node)
     receivers = [load_causal_lm(cfg) for _ in range(2)]
     results: dict[int, bool] = {}
+    node = ray.get_runtime_context().get_node_id()
 
     def receive(r: int) -> None:
-        address = refit.ipc_address(refit.device_ipc_tag(torch.device("cpu"), r))
+        address = refit.ipc_address(refit.device_ipc_tag(torch.device("cpu"), r, node))
         results[r] = refit.receive_weights_via_ipc_zmq(address, info, refit.load_into_module(receivers[r]))
 
     threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]

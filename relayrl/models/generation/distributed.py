@@ -7,7 +7,7 @@ would return for the whole batch (a row's sample depends only on its prompt, the
 
 `prepare_for_generation` refits the workers whenever the policy's `weights_version` moved, so no rollout samples
 from weights older than the policy's: colocated, every training rank streams its weights over ZMQ IPC to the worker
-of its host and local rank; not colocated, training rank 0 broadcasts to the dedicated workers in one weight-update
+placed on its node with its local rank (paired by Ray node id); not colocated, training rank 0 broadcasts to the dedicated workers in one weight-update
 group. Refit time and bytes are kept as `refit/*` metrics (`refit_metrics()`). How a refit is ordered, how
 asynchronous GRPO's second engine (`snapshot_copy`) shares the workers, and how FP8 KV scales travel with a refit:
 docs/design.md.
@@ -26,7 +26,7 @@ import torch
 from relayrl.config import ClusterConfig, GenerationConfig, PolicyConfig
 from relayrl.distributed import refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
-from relayrl.distributed.executor import build_worker_group, run_all_async
+from relayrl.distributed.executor import build_worker_group_on_nodes, run_all_async
 from relayrl.distributed.interfaces import WorkerGroup
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
 from relayrl.models.generation.outputs import assemble_output, empty_generation, generation_limits
@@ -99,9 +99,10 @@ class DistributedGeneration(GenerationInterface):
         self._kv_scales_pending = False  # set since the workers last received them
         gen_cluster = generation_cluster(config, cluster)
         train_world = int(policy.dp_size)
-        self._group: WorkerGroup[GenerationWorker] = build_worker_group(
+        self._group: WorkerGroup[GenerationWorker] = build_worker_group_on_nodes(
             GenerationWorker,
             gen_cluster,
+            _training_nodes(policy) if self.colocated else None,  # colocated: each worker on its training rank's node
             policy_config=policy_config.model_copy(update={"generation": config}),
             tokenizer=tokenizer,
             device=cluster.device,
@@ -352,6 +353,12 @@ def _merge(parts: list[BatchedDataDict], total_width: int, pad_id: int) -> Batch
         pad = [(0, 0, 0, total_width - p["support"].shape[1]) for p in parts]
         merged["support"] = torch.cat([torch.nn.functional.pad(p["support"], w) for p, w in zip(parts, pad)])
     return merged
+
+
+def _training_nodes(policy: Any) -> list[str] | None:
+    """The Ray node of every training rank (None: the policy's ranks are not Ray actors)."""
+    nodes = getattr(getattr(policy, "worker_group", None), "node_ids", None)
+    return list(nodes) if nodes else None
 
 
 def _rank0_endpoint(policy: Any) -> tuple[str, int]:

@@ -4,8 +4,8 @@ On the Ray executor the policy's weights live in other processes, so generation 
 local colocated engine does. Each worker loads the network from the policy config once, runs an `HfGeneration`
 over it, and receives the trained weights after every optimizer step, by one of two transports:
 
-* colocated: from the training rank with the same local rank on the same host, over ZMQ IPC
-  (`update_weights_via_ipc_zmq`);
+* colocated: from the training rank with the same local rank on the same node (the executor places the worker
+  there and names the node in RELAYRL_NODE_ID), over ZMQ IPC (`update_weights_via_ipc_zmq`);
 * not colocated: as rank `train_world_size + i` of a weight-update group whose rank 0 is the first training rank
   (`init_collective`, then `update_weights_from_collective`).
 
@@ -154,7 +154,7 @@ class GenerationWorker:
         return sum(refit._nbytes(shape, dtype) for shape, dtype in self._manifest().values())
 
     def update_weights_via_ipc_zmq(self) -> dict[str, float]:
-        """Receive one refit from the training rank of this host and local rank; returns bytes and seconds."""
+        """Receive one refit from the training rank of this node and local rank; returns bytes and seconds."""
         info = self._manifest()
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         address = refit.ipc_address(refit.device_ipc_tag(self.device, local_rank))

@@ -36,6 +36,7 @@ class ToyWorker(CollectiveToyWorker):
 
     def env(self) -> dict[str, Any]:
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_HUB_OFFLINE")
+        keys += ("RELAYRL_NODE_ID",)
         return {**{k: os.environ.get(k) for k in keys}, "threads": torch.get_num_threads(), "pid": os.getpid()}
 
     def scaled(self, shard: list[int], factor: int = 1) -> list[int]:
