@@ -160,7 +160,10 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         """One function's values for the batch; a failure is located to its first failing row."""
         n = len(completions)
         try:
-            values = _check_values(call_with_deadline(lambda: fn(prompts, completions, **columns), self.timeout_s), n)
+            what = f"reward function {name!r} (env.reward_timeout_s)"
+            values = _check_values(
+                call_with_deadline(lambda: fn(prompts, completions, **columns), self.timeout_s, what), n
+            )
         except DeadlineExceeded:
             raise RewardFunctionError(
                 f"reward function {name!r} did not return within env.reward_timeout_s={self.timeout_s:g} s on a batch "
@@ -181,7 +184,11 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         for i in range(len(completions)):
             try:
                 row = {k: [v[i]] for k, v in columns.items()}
-                one = call_with_deadline(lambda i=i, row=row: fn([prompts[i]], [completions[i]], **row), self.timeout_s)
+                one = call_with_deadline(
+                    lambda i=i, row=row: fn([prompts[i]], [completions[i]], **row),
+                    self.timeout_s,
+                    f"reward function {getattr(fn, '__name__', 'of env.reward_fns')!r} (env.reward_timeout_s)",
+                )
                 _check_values(one, 1)
             except DeadlineExceeded:
                 return i

@@ -16,7 +16,8 @@ On the main thread the call runs in place (user code that relies on the main thr
 timeouts use SIGALRM there) and a timer thread sends SIGUSR2 to the main thread when the deadline passes; the handler
 raises `DeadlineExceeded`, a BaseException so that the user's own `except Exception` cannot swallow it. This
 interrupts Python code and blocking system calls (sleep, I/O, locks), not a C extension that never returns to the
-interpreter. Elsewhere (the async producer's thread, which cannot receive signals) the call runs in a daemon helper
+interpreter: where the process owns its exit (`set_forced_exit_deadline`, the CLI), a call still running
+`STUCK_GRACE_S` after its deadline ends the process with one line naming it and how to resume. Elsewhere (the async producer's thread, which cannot receive signals) the call runs in a daemon helper
 thread that is abandoned on expiry; the caller carries on and the process can exit.
 """
 
@@ -126,22 +127,44 @@ class GracefulStop:
 # ---------------------------------------------------------------------------------------------------- deadlines
 T = TypeVar("T")
 _SIGNAL = signal.SIGUSR2
+#: How long a call past its deadline may take to stop once interrupted before a process that owns its exit ends.
+STUCK_GRACE_S = 10.0
 
 
 class DeadlineExceeded(BaseException):
     """The call did not return within its deadline (raised in the caller, never inside other code)."""
 
 
-def call_with_deadline(fn: Callable[[], T], timeout_s: float | None) -> T:
-    """`fn()`, or `DeadlineExceeded` when it runs longer than `timeout_s` seconds (None: no deadline)."""
+def call_with_deadline(fn: Callable[[], T], timeout_s: float | None, what: str = "a call") -> T:
+    """`fn()`, or `DeadlineExceeded` when it runs longer than `timeout_s` seconds (None: no deadline); `what` names
+    the call in the line of a process that must end because the call cannot be interrupted."""
     if timeout_s is None:
         return fn()
     if threading.current_thread() is threading.main_thread():
-        return _in_main_thread(fn, timeout_s)
+        return _in_main_thread(fn, timeout_s, what)
     return _in_helper_thread(fn, timeout_s)
 
 
-def _in_main_thread(fn: Callable[[], T], timeout_s: float) -> T:
+def _end_stuck(state: dict[str, bool], lock: threading.Lock, what: str, timeout_s: float) -> None:
+    """The interrupted call is still running (native code that never returns to the interpreter): a process that
+    owns its exit ends here with one line, its generation process with it; a library caller's process is left be."""
+    with lock:
+        if not state["active"] or _EXIT_DEADLINE[0] is None:
+            return
+        for child in multiprocessing.active_children():
+            child.kill()
+        note = _EXIT_DEADLINE[0][1]
+        tail = f"; {note}" if note else ""
+        print(
+            f"relayrl: error: {what} did not return within its {timeout_s:g} s deadline and did not stop when "
+            f"interrupted {STUCK_GRACE_S:g} s later (stuck outside Python, e.g. in a C extension){tail}",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _in_main_thread(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     state = {"active": True, "expired": False}
     lock = threading.Lock()  # the timer sends its signal only while the call is still running
     main = threading.main_thread().ident
@@ -152,6 +175,9 @@ def _in_main_thread(fn: Callable[[], T], timeout_s: float) -> T:
             if state["active"]:
                 state["expired"] = True
                 signal.pthread_kill(main, _SIGNAL)
+                stuck = threading.Timer(STUCK_GRACE_S, _end_stuck, (state, lock, what, timeout_s))
+                stuck.daemon = True
+                stuck.start()
 
     def handler(signum: int, frame: Any) -> None:
         if state["active"] and state["expired"]:

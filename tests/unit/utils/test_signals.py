@@ -77,3 +77,34 @@ def test_a_second_signal_ends_the_process_within_its_deadline():
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and time.monotonic() - start < 5
     assert err.strip() == "relayrl: interrupted (clean-up did not finish within 1 s); resume with X"
+
+
+_STUCK_IN_NATIVE_CODE = """
+import signal, time
+from relayrl.utils import signals
+
+signals.STUCK_GRACE_S = 0.5
+signals.set_forced_exit_deadline(5, "`relayrl train --run-dir R` resumes from the last checkpoint")
+
+
+def stuck():
+    # as a C extension that never returns to the interpreter: the deadline's signal is never handled
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    time.sleep(60)
+
+
+signals.call_with_deadline(stuck, 0.3, "reward function 'stuck' (env.reward_timeout_s)")
+"""
+
+
+def test_a_call_stuck_outside_python_ends_a_process_that_owns_its_exit_with_one_line():
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", _STUCK_IN_NATIVE_CODE], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert out.returncode == 1 and time.monotonic() - start < 10, out.stderr
+    assert out.stderr.strip() == (
+        "relayrl: error: reward function 'stuck' (env.reward_timeout_s) did not return within its 0.3 s deadline and "
+        "did not stop when interrupted 0.5 s later (stuck outside Python, e.g. in a C extension); `relayrl train "
+        "--run-dir R` resumes from the last checkpoint"
+    )
