@@ -32,6 +32,14 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def _resume_command(cfg: MasterConfig, run_dir: Path) -> str:
+    """The command that resumes this run: a driver that joined its Ray cluster through `RAY_ADDRESS` (not a
+    recorded `cluster.ray_address`) needs the same address to find the cluster again."""
+    uses_ray = cfg.cluster.executor == "ray" or cfg.data_plane.backend != "memory"
+    address = os.environ.get("RAY_ADDRESS") if uses_ray and not cfg.cluster.ray_address else None
+    return f"{f'RAY_ADDRESS={address} ' if address else ''}relayrl train --run-dir {run_dir}"
+
+
 def _parser() -> argparse.ArgumentParser:
     import relayrl
 
@@ -180,7 +188,7 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.utils.deadlines import DeadlineError, deadline_line
     from relayrl.utils.signals import TrainingInterrupted, exit_code, set_forced_exit_deadline
 
-    resume = f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
+    resume = f"`{_resume_command(cfg, run_dir)}` resumes from the last checkpoint"
     set_forced_exit_deadline(FORCED_EXIT_S, resume)  # a second Ctrl-C ends this process within seconds, whatever hangs
     try:
         options = ResumeOptions(restart=args.restart, allow_inexact=args.allow_inexact_resume)
@@ -196,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
         return 1
     except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
-        print(f"relayrl: {exc}; `relayrl train --run-dir {run_dir}` resumes", file=sys.stderr)
+        print(f"relayrl: {exc}; `{_resume_command(cfg, run_dir)}` resumes", file=sys.stderr)
         return exit_code(exc.signum)
     except KeyboardInterrupt:  # a second Ctrl-C: out at once
         print(f"relayrl: interrupted; {resume}", file=sys.stderr)

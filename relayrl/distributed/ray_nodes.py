@@ -7,9 +7,9 @@ store was left to chance. Colocated generation workers are pinned to their train
 
 Policy rank 0 writes checkpoints on its own node while the driver publishes them on its own, so the run directory
 must be on storage that every node shares; and every rank loads the model from `policy.model_name`. Both are
-checked at start-up on every node of the cluster (any of them may host rank 0 or a generation worker): the driver
-writes a random token into the run directory and a task on each node must read it back, and must find each model
-path. A node that cannot is named in one line, before any model loads.
+checked at start-up on every node of the cluster (any of them may host rank 0 or a generation worker) but the
+driver's own: the driver writes a random token into the run directory and a task on each other node must read it
+back, and must find each model path. A node that cannot is named in one line, before any model loads.
 """
 
 from __future__ import annotations
@@ -61,11 +61,16 @@ def check_nodes_see(run_dir: Path, paths: Mapping[str, str], timeout_s: float) -
     """Refuse (ValueError, one line) a run whose run directory or model paths are not visible on every alive node.
 
     `paths`: {config key: absolute local path} that every rank reads (e.g. policy.model_name)."""
+    # the driver's own node sees what the driver wrote (its workers share its files): no task there, so a
+    # one-node run pays no probe process; a Ray Client driver is elsewhere, so every node is asked then
+    own = None if ray.util.client.ray.is_connected() else ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != own]
+    if not nodes:
+        return
     token = secrets.token_hex(16)
     token_path = run_dir / _TOKEN_FILE
     token_path.write_text(token, encoding="utf-8")
     try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
         probe = ray.remote(num_cpus=0, max_retries=0)(_node_view)
         refs = [
             probe.options(scheduling_strategy=on_node(n["NodeID"])).remote(str(token_path), token, dict(paths))

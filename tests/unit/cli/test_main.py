@@ -95,3 +95,25 @@ def test_ray_combinations_that_cannot_work_are_refused_clearly(capsys, tmp_path)
     assert code == 2 and "colocated.resources" in err and len(err.splitlines()) == 1
     code, err = _run(capsys, [*run_dir, "cluster.workers_per_node=2"])  # 128 rows cannot make 2 x 128-row shards
     assert code == 2 and "multiple of 256" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "address", "prefix"),
+    [
+        ([], "10.0.0.1:6379", ""),  # the local executor and store: no cluster to find again
+        (["cluster.executor=ray"], "10.0.0.1:6379", "RAY_ADDRESS=10.0.0.1:6379 "),  # joined through RAY_ADDRESS
+        (["data_plane.backend=transfer_queue"], "10.0.0.1:6379", "RAY_ADDRESS=10.0.0.1:6379 "),
+        (["cluster.executor=ray", "cluster.ray_address=10.0.0.2:6379"], "10.0.0.1:6379", ""),  # recorded in config
+        (["cluster.executor=ray"], None, ""),  # a local Ray started for the run
+    ],
+)
+def test_the_resume_hint_is_the_command_that_finds_the_cluster(monkeypatch, tmp_path, overrides, address, prefix):
+    from relayrl.cli.main import _resume_command
+    from relayrl.utils.config_io import load_config
+
+    if address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    cfg = load_config(None, overrides)
+    assert _resume_command(cfg, tmp_path / "run") == f"{prefix}relayrl train --run-dir {tmp_path / 'run'}"
