@@ -122,14 +122,23 @@ def test_multi_turn_async_on_ray_at_age_zero_logs_the_synchronous_numbers(runs, 
     """Environment classes on asynchronous GRPO on Ray, d = 0: the producer's rollout actor plays the episodes with
     instances of its own (malformed calls penalised per token in its rows) and the run logs what the synchronous run
     logs, its `train/env/*` counts and recorded turns included; validation at the start plays on the trainer's actor
-    while the producer makes batch 1, and adds nothing to the producer's counts."""
+    while the producer makes batch 1, and adds nothing to the producer's counts. No key outlives its step or the
+    run in the Ray store."""
+    from tests.integration.test_grpo_async_ray import counting_live_keys
+
     monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
-    run = relayrl.train(
-        environment_factory=_by_value(),
-        reward_fns=[checks],
-        run_dir=tmp_path / "async",
-        overrides={**SMALL, **ASYNC_D0, "cluster.executor": "ray"},
-    ).run_dir
+    held: list[int] = []
+    with counting_live_keys(held):
+        run = relayrl.train(
+            environment_factory=_by_value(),
+            reward_fns=[checks],
+            run_dir=tmp_path / "async",
+            overrides={**SMALL, **ASYNC_D0, "cluster.executor": "ray"},
+        ).run_dir
+    assert len(held) == 3 and held[-1] == 0, held  # after steps 1 and 2, then after the trainer closed: none left
+    assert all(n <= 4 for n in held[:-1]), (
+        held
+    )  # at most the next batch (d = 0: one batch of 4 rows), never a trained one
     sync, d0 = metrics_by_step(runs["ray"]), metrics_by_step(run)
     assert sorted(sync) == [1, 2] and sorted(d0) == [0, 1, 2]  # step 0: validation at the start
     keys = ("train/reward", "train/loss", "train/grad_norm", "train/reward/checks", "train/avg_turns_per_sample")
