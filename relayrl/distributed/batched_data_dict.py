@@ -49,9 +49,12 @@ class BatchedDataDict(dict[str, Any], Generic[T]):
             raise IndexError(f"row indices must lie in [0, {n}); got min {int(idx.min())}, max {int(idx.max())}")
         idx_list = idx.tolist()
         out: BatchedDataDict[T] = type(self)()
+        on_device = {idx.device: idx}  # one copy of the index per device, not one per field
         for k, v in self.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                out[k] = v.index_select(0, idx.to(v.device))
+                if v.device not in on_device:
+                    on_device[v.device] = idx.to(v.device)
+                out[k] = v.index_select(0, on_device[v.device])
             elif isinstance(v, list):
                 out[k] = [v[i] for i in idx_list]
             else:

@@ -262,13 +262,17 @@ def with_replays(micro_batches: list[MicroBatch], count: int) -> list[MicroBatch
     return real + replays
 
 
-def cut(gb_data: BatchedDataDict[Any], mb: MicroBatch) -> BatchedDataDict[Any]:
+def cut(gb_data: BatchedDataDict[Any], mb: MicroBatch, lengths: list[int] | None = None) -> BatchedDataDict[Any]:
     """Rows [start, end) of `gb_data` with every tensor of rank >= 2 brought to the micro-batch's width: the planned
     one (dynamic batching; zero-padded when the batch is narrower, so both trainers see the same shapes whatever
-    width their batches were padded to) or the longest row's (packing). Real tokens are never dropped."""
+    width their batches were padded to) or the longest row's (packing). Real tokens are never dropped. `lengths`:
+    the rows' lengths read once on the host, so that cutting device tensors reads nothing back per micro-batch."""
     rows = gb_data.slice(mb.start, mb.end)
     seq = int(rows["input_ids"].shape[1])
-    longest = int(rows["input_lengths"].max()) if mb.end > mb.start else 1
+    if mb.end <= mb.start:
+        longest = 1
+    else:
+        longest = max(lengths[mb.start : mb.end]) if lengths is not None else int(rows["input_lengths"].max())
     width = max(mb.width or 0, min(longest, seq), 1)
     if width == seq:
         return rows
@@ -302,14 +306,16 @@ def pass_batches(
     """An inference pass's micro-batches as (their rows in `data`, the micro-batch on `device`): `size` rows each,
     or as planned under sequence packing / dynamic batching (each cut to its own width)."""
     ordered, plan, origin = planned(data, cfg, "logprob_mb_tokens", None)
+    lengths = None if plan is None else ordered["input_lengths"].tolist()  # on the host, before the move
+    ordered = ordered.copy().to(device)  # one copy per field for the whole pass, micro-batches cut on the device
     if plan is None:
         for start in range(0, data.size, size):
-            yield range(start, min(start + size, data.size)), data.slice(start, min(start + size, data.size)).to(device)
+            yield range(start, min(start + size, data.size)), ordered.slice(start, min(start + size, data.size))
         return
     for mb in plan.micro_batches(0):
         if mb.end > mb.start:
             rows = range(mb.start, mb.end)
-            yield (rows if origin is None else origin[mb.start : mb.end]), cut(ordered, mb).to(device)
+            yield (rows if origin is None else origin[mb.start : mb.end]), cut(ordered, mb, lengths)
 
 
 def place(out: torch.Tensor, rows: range | torch.Tensor, part: torch.Tensor) -> None:

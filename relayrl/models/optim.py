@@ -238,11 +238,14 @@ def _train_global_batch(
         replica.optimizer.zero_grad(set_to_none=True)
     gb_loss = torch.zeros((), device=call.device)
     wrapped = replica.dp.reduces_in_backward
-    num_mb, batches = _micro_batches_of(replica, gb_data, gb, call, wrapped)
-    # samples before each row, read once for the global batch from the rows as they arrived (host memory when the
-    # micro-batches are moved to a device one at a time), instead of once per micro-batch from the device
+    # samples before each row, read once for the global batch from the rows as they arrived (host memory), instead
+    # of once per micro-batch from the device
     valid_rows = (gb_data["sample_mask"] > 0).long()  # [b]
     before = torch.cat([valid_rows.new_zeros(1), valid_rows.cumsum(0)]).tolist()  # [b+1]
+    lengths = gb_data["input_lengths"].tolist() if call.plan is not None else None  # [b] host, for the cuts
+    # the global batch moves to the device once (one copy per field); its micro-batches are cut there
+    gb_data = gb_data.copy().to(call.device)
+    num_mb, batches = _micro_batches_of(replica, gb_data, gb, call, wrapped, lengths)
     for i, (mb, replay, start, end) in enumerate(batches):
         valid = _is_valid(replica, mb, replay, wrapped, has_sample=before[end] > before[start])
         if not valid and not wrapped:
@@ -270,7 +273,12 @@ def _global_counts(
 
 
 def _micro_batches_of(
-    replica: TrainingReplica, gb_data: BatchedDataDict, gb: int, call: TrainCall, wrapped: bool
+    replica: TrainingReplica,
+    gb_data: BatchedDataDict,
+    gb: int,
+    call: TrainCall,
+    wrapped: bool,
+    lengths: list[int] | None,
 ) -> tuple[int, Iterator[tuple[BatchedDataDict, bool, int, int]]]:
     """(how many, the micro-batches lazily, each with whether it is a zero-loss replay and its rows [start, end) of
     the global batch) of global batch `gb`."""
@@ -286,7 +294,7 @@ def _micro_batches_of(
         busiest = max(replica.comm.all_gather_object(sum(m.end > m.start for m in planned)))
         planned = with_replays(planned, busiest)
     planned = [m for m in planned if m.end > m.start]
-    return len(planned), ((cut(gb_data, m).to(call.device), m.replay, m.start, m.end) for m in planned)
+    return len(planned), ((cut(gb_data, m, lengths), m.replay, m.start, m.end) for m in planned)
 
 
 def _is_valid(replica: TrainingReplica, mb: BatchedDataDict, replay: bool, wrapped: bool, has_sample: bool) -> bool:

@@ -270,8 +270,7 @@ class PolicyWorker(ModelWorker):
                 support=support,
                 mismatch_out=mismatch_out,
             )  # [M]
-        base = torch.zeros(batch, seq - 1) if fill is None else fill.float()  # [B, S-1]
-        base = base.to(lp.device)
+        base = torch.zeros(batch, seq - 1, device=lp.device) if fill is None else fill.float().to(lp.device)  # [B, S-1]
         full = base.masked_scatter(select.to(lp.device), lp)  # [B, S-1]
         return full, (None if plain is None else base.masked_scatter(select.to(lp.device), plain))
 

@@ -131,6 +131,27 @@ def test_auto_chunk_size_respects_budget() -> None:
     assert not lp_ops.filtering_active(None, 1.0) and lp_ops.filtering_active(3, 1.0)
 
 
+def test_the_head_s_chunk_budget_comes_from_the_gpu_s_free_memory_once_and_stays(monkeypatch) -> None:
+    """On the CPU the fixed budgets (the reference runs' chunks); on CUDA a sixteenth of the memory free at the
+    first ask, a power of two in [64 MiB, 1 GiB], kept for the process even when free memory moves. The driver's
+    free-memory query is the one thing stood in for here (this machine has no GPU; the gpu-marked run asks it)."""
+    cpu = torch.device("cpu")
+    assert lp_ops.chunk_budget_bytes(cpu) == lp_ops.DEFAULT_CHUNK_BUDGET_BYTES == 64 * 2**20
+    assert lp_ops.chunk_budget_bytes(cpu, packed=True) == lp_ops.PACKED_CHUNK_BUDGET_BYTES
+    free = {"cuda:0": 100 * 2**30, "cuda:1": 3 * 2**30, "cuda:2": 2**29}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[str(d)], 141 * 2**30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(lp_ops, "_device_budgets", {})
+    assert lp_ops.chunk_budget_bytes(torch.device("cuda:0")) == 2**30  # 6.25 GiB share, capped at 1 GiB
+    assert lp_ops.chunk_budget_bytes(torch.device("cuda")) == 128 * 2**20  # 192 MiB -> 128 MiB, current device 1
+    assert lp_ops.chunk_budget_bytes(torch.device("cuda:2"), packed=True) == 64 * 2**20  # 32 MiB share -> the floor
+    free["cuda:1"] = 2**20  # memory taken later does not change the run's chunks
+    assert lp_ops.chunk_budget_bytes(torch.device("cuda:1")) == 128 * 2**20
+    # a Qwen2.5 vocabulary: 8 rows take 13 positions a chunk under the CPU budget, 220 under a 1 GiB one
+    assert lp_ops.auto_chunk_size(8, 151_936, lp_ops.chunk_budget_bytes(cpu)) == 13
+    assert lp_ops.auto_chunk_size(8, 151_936, lp_ops.chunk_budget_bytes(torch.device("cuda:0"))) == 220
+
+
 def test_recorded_support_replaces_the_filter_only_where_recorded(setup) -> None:
     """Positions with a record mask to it (and count a mismatch where the recomputed filter differs); an overflow
     marker or an empty record falls back to the filter recomputed from these logits."""
