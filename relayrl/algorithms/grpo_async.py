@@ -45,9 +45,10 @@ __all__ = ["ASYNC_FLIGHT_ROWS", "grpo_train_async"]
 
 
 class _RayWeights(Protocol):
-    """The Ray executor's policy: rank 0's weights arrive in the driver as a copy."""
+    """The Ray executor's policy: rank 0's weights arrive in the driver as a host copy (no device tensor reaches a
+    driver that may have no GPU)."""
 
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def host_state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 class _LocalModel(Protocol):
@@ -79,7 +80,7 @@ def _producer_side(
         except BaseException:
             client.close()
             raise
-        weights = cast(_RayWeights, policy).state_dict
+        weights = cast(_RayWeights, policy).host_state_dict
         return ProducerSide(twin, actor, client, weights, ray_actor=actor, own_client=True)
     source = cast(_LocalModel, policy).generation_source
     pin = PinnedSource(source.model, start_version)

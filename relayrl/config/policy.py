@@ -285,7 +285,8 @@ class PolicyConfig(BatchingModes):
     logprob_batch_size: PositiveInt | None = None
     """Rows per logprob / reference / top-k micro-batch; None means train_micro_batch_size."""
     logprob_chunk_size: PositiveInt | None = None
-    """Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB."""
+    """Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB on the
+    CPU, and on a GPU under a sixteenth of the memory free at the first pass (a power of two, 64 MiB to 1 GiB)."""
     max_total_sequence_length: PositiveInt = 64
     """Token limit of prompt plus everything generated (all turns): generation stops there, and the prompt limit
     defaults to it minus generation.max_new_tokens. Also sizes the default packing / dynamic-batching budgets."""

@@ -156,6 +156,10 @@ class ModelFacade(Generic[W]):
         """Rank 0's live state dict (tensors share storage with the model: no copy)."""
         return self._group.run_rank0(ModelWorker.state_dict)
 
+    def host_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0's state dict in host memory: what a Ray driver receives (never a device tensor)."""
+        return self._group.run_rank0(ModelWorker.host_state_dict)
+
     # ------------------------------------------------------------------ inference passes
     def _shards(self, data: BatchedDataDict) -> list[BatchedDataDict]:
         """Contiguous row blocks, one per rank (inference passes)."""

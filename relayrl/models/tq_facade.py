@@ -132,6 +132,9 @@ class TQFacade(Generic[M, TW]):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
+    def host_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.host_state_dict()
+
     def train(
         self,
         data: BatchedDataDict,

@@ -315,6 +315,11 @@ class ModelWorker:
         """The live weights (tensors share storage with the model: no copy)."""
         return self.model.state_dict()
 
+    def host_state_dict(self) -> dict[str, torch.Tensor]:
+        """`state_dict` in host memory, for another process (a Ray driver may have no GPU, and must not open a CUDA
+        context): device tensors copied to the CPU, CPU ones as they are (sending them copies them)."""
+        return {k: v.detach() if v.device.type == "cpu" else v.detach().cpu() for k, v in self.state_dict().items()}
+
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Copy saved weights into the live module in place (its identity, shared with a colocated engine, stays)."""
         self._load_weights_in_place(weights_path)

@@ -37,7 +37,7 @@ def capture_rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # this process computes on a GPU; a Ray driver never opens a CUDA context
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -32,12 +32,32 @@ DEFAULT_CHUNK_BUDGET_BYTES = 64 * 2**20
 #: every chunk's logits would be page-faulted in afresh.
 PACKED_CHUNK_BUDGET_BYTES = 8 * 2**20
 
+#: On an accelerator: the share of the memory free at the first pass one slab may use, and the largest budget.
+DEVICE_FREE_SHARE = 16
+MAX_DEVICE_CHUNK_BUDGET_BYTES = 2**30
+_device_budgets: dict[str, int] = {}
+
 LMHead = Callable[[torch.Tensor], torch.Tensor]  # [B, C, H] -> [B, C, V] logits (any float dtype)
 
 
 def auto_chunk_size(rows: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES) -> int:
     """Positions per chunk so that one [rows, chunk, V] float32 tensor stays within `budget_bytes`."""
     return max(1, budget_bytes // max(1, rows * vocab_size * 4))
+
+
+def chunk_budget_bytes(device: torch.device, packed: bool = False) -> int:
+    """Bytes one [rows, chunk, V] float32 slab may use on `device`. On the CPU the fixed budgets above (`packed`:
+    the no-grad packed one). On a CUDA device a sixteenth of the memory free when first asked (the model loaded),
+    rounded down to a power of two within [64 MiB, 1 GiB], then kept for the process: a GPU's head runs in few,
+    large chunks, and every pass of a run cuts the same chunks (chunk widths can change a GEMM's bits)."""
+    if device.type != "cuda":
+        return PACKED_CHUNK_BUDGET_BYTES if packed else DEFAULT_CHUNK_BUDGET_BYTES
+    key = str(torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device()))
+    if key not in _device_budgets:
+        free, _total = torch.cuda.mem_get_info(torch.device(key))
+        share = min(max(free // DEVICE_FREE_SHARE, DEFAULT_CHUNK_BUDGET_BYTES), MAX_DEVICE_CHUNK_BUDGET_BYTES)
+        _device_budgets[key] = 1 << (share.bit_length() - 1)
+    return _device_budgets[key]
 
 
 def filtering_active(top_k: int | None, top_p: float) -> bool:
@@ -153,7 +173,7 @@ def next_token_logprobs(
 
     if chunk_size is None:
         vocab = _vocab_size(lm_head, hidden)
-        chunk_size = auto_chunk_size(batch, vocab)
+        chunk_size = auto_chunk_size(batch, vocab, chunk_budget_bytes(hidden.device))
     # Recompute chunks in backward only when there are several: one chunk already fits the memory budget.
     recompute = torch.is_grad_enabled() and hidden.requires_grad and num_positions > chunk_size
     outs, plains = [], []
@@ -193,7 +213,7 @@ def selected_logprobs(
     num = hidden.shape[0]
     targets = targets.to(hidden.device)
     if chunk_size is None:
-        chunk_size = auto_chunk_size(1, _vocab_size(lm_head, hidden))
+        chunk_size = auto_chunk_size(1, _vocab_size(lm_head, hidden), chunk_budget_bytes(hidden.device))
     recompute = torch.is_grad_enabled() and hidden.requires_grad and num > chunk_size
     outs, plains = [], []
     for start, end in _chunk_bounds(num, chunk_size):
@@ -233,7 +253,7 @@ def topk_logits(
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, vocab_size={vocab}], got {k}")
     if chunk_size is None:
-        chunk_size = auto_chunk_size(batch, vocab)
+        chunk_size = auto_chunk_size(batch, vocab, chunk_budget_bytes(hidden.device))
     values, indices = [], []
     for start, end in _chunk_bounds(num_positions, chunk_size):
         logits = lm_head(hidden[:, start:end]).float() / temperature  # [B, C, V]

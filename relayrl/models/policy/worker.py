@@ -201,7 +201,9 @@ class PolicyWorker(ModelWorker):
         return int(model.get_output_embeddings().weight.shape[0])
 
     def _chunk_size(self, rows: int, model: PreTrainedModel) -> int:
-        return self.cfg.logprob_chunk_size or lp_ops.auto_chunk_size(rows, self._vocab(model))
+        return self.cfg.logprob_chunk_size or lp_ops.auto_chunk_size(
+            rows, self._vocab(model), lp_ops.chunk_budget_bytes(self.device)
+        )
 
     def _hidden(
         self, model: PreTrainedModel, input_ids: torch.Tensor, input_lengths: torch.Tensor, packed: bool = False
@@ -248,7 +250,7 @@ class PolicyWorker(ModelWorker):
             support = support[:, 1:].to(select.device)[select]  # [M, K]: the set each selected target came from
         if packed and rows_per_chunk is None and not torch.is_grad_enabled():  # no-grad packed micro-batches hold
             # many rows: small head slabs (training keeps the default, where more chunks would mean recomputation)
-            rows_per_chunk = lp_ops.auto_chunk_size(1, self._vocab(model), lp_ops.PACKED_CHUNK_BUDGET_BYTES)
+            rows_per_chunk = lp_ops.auto_chunk_size(1, self._vocab(model), lp_ops.chunk_budget_bytes(self.device, True))
         with dev.autocast(self.device, self.cfg.precision):
             hidden = selected_hidden_states(
                 model,

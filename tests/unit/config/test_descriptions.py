@@ -86,7 +86,8 @@ def test_attribute_docstrings_become_pydantic_descriptions():
     )
     # Multi-line docstrings arrive dedented, line breaks kept.
     assert PolicyConfig.model_fields["logprob_chunk_size"].description == (
-        "Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB."
+        "Positions per log-softmax chunk; None picks a chunk that keeps [rows, chunk, V] fp32 under ~64 MB on the\n"
+        "CPU, and on a GPU under a sixteenth of the memory free at the first pass (a power of two, 64 MiB to 1 GiB)."
     )
     kl = ClippedPGLossConfig.model_fields["reference_policy_kl_penalty"].description
     assert kl is not None and kl.startswith("KL coefficient beta") and "\n" in kl and "\n    " not in kl

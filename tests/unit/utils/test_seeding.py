@@ -71,12 +71,30 @@ def test_restore_partial_state_leaves_other_generators() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_round_trip() -> None:
+    torch.rand(1, device="cuda")  # a process that computes on the GPU has its CUDA context
     set_seed(3)
     state = capture_rng_state()
     expected = torch.rand(4, device="cuda").tolist()
     torch.rand(4, device="cuda")
     restore_rng_state(state)
     assert torch.rand(4, device="cuda").tolist() == expected
+
+
+def test_a_process_without_a_cuda_context_never_opens_one_for_its_rng_state(monkeypatch) -> None:
+    """A Ray driver on a GPU node captures the RNG state for every checkpoint; reading CUDA's generators would open
+    a context on every GPU (and fail under EXCLUSIVE_PROCESS). Only a process that already uses CUDA reads them."""
+
+    def opens_a_context() -> list[torch.Tensor]:
+        raise AssertionError("get_rng_state_all opened a CUDA context")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node ...
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # ... whose driver process never used it
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", opens_a_context)
+    state = capture_rng_state()
+    assert "cuda" not in state and set(state) == {"python", "numpy", "torch"}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(AssertionError, match="opened a CUDA context"):  # a GPU worker's process still saves them
+        capture_rng_state()
 
 
 def test_enable_determinism_sets_torch_flags() -> None:

@@ -403,3 +403,18 @@ def test_bfloat16_autocast_keeps_float32_master_weights(tiny_model_dir, char_tok
     assert torch.isfinite(res["loss"]).all() and res["model_dtype"] == "torch.bfloat16"
     assert all(v.dtype == torch.float32 for v in bf16.state_dict_for_refit().values())
     assert bf16.prepare_refit_info()["lm_head.weight"][1] == torch.bfloat16  # streamed in the compute precision
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_weights_a_ray_driver_receives_are_host_tensors(tiny_model_dir, char_tokenizer, device) -> None:
+    """Async GRPO on Ray sends rank 0's weights to the driver's producer: in host memory, so that a driver without a
+    GPU can read them and one with a GPU opens no context. On the CPU nothing is copied (sending copies them)."""
+    policy = Policy(make_config(tiny_model_dir), char_tokenizer, cluster=ClusterConfig(device=device))
+    try:
+        live, host = policy.state_dict(), policy.host_state_dict()
+        assert list(host) == list(live) and {t.device.type for t in live.values()} == {device}
+        assert all(t.device.type == "cpu" and torch.equal(t, live[k].cpu()) for k, t in host.items())
+        shares = [t.data_ptr() == live[k].data_ptr() for k, t in host.items()]
+        assert all(shares) if device == "cpu" else not any(shares)
+    finally:
+        policy.shutdown()
