@@ -2,8 +2,8 @@
 instance per rollout in the producer's own copy of the environments, malformed calls penalised per token. d = 1 is
 deterministic and leaks no store key, d = 0 logs what the synchronous data-plane trainer logs (metrics, `train/env/*`
 counts and the flight recorder's turns), and a run SIGKILLed with multi-turn rollouts in flight resumes to the
-uninterrupted run's metrics and recorded rows (the batches in flight come back from the checkpoint, never replayed
-against new instances). Every trainer closes the instances still open when a run fails.
+uninterrupted run's metrics and recorded rows (the batches in flight come back from the checkpoint's copy of the
+store, never replayed against new instances). Every trainer closes the instances still open when a run fails.
 
 As in test_agents.py, the shipped model's `\\boxed{N}` reply is read as a call of the class's `check` tool (a
 negative N as a malformed call).
@@ -46,6 +46,9 @@ SMALL = (
 # the producer's engine in its thread: what the generation process samples is the same (test_grpo_async), and
 # starting one per run would cost more than these runs take
 ASYNC = ("grpo.async_grpo.enabled=true", "grpo.async_grpo.generator=thread")
+# the killed run keeps its batches in flight in the checkpoint's copy of the store (multi-turn rows, with their
+# turns and penalties, through the data plane's checkpoint) rather than in the async state file
+IN_STORE = ("checkpointing.save_data_plane=true",)
 SKIP = ("per_sec", "bytes", "fraction", "latency")  # machine-dependent rates, byte counters, tool latency (a clock)
 
 
@@ -110,10 +113,10 @@ def runs(tmp_path_factory) -> dict[str, object]:
     out["sync"] = train("sync")
     out["d0"] = train("d0", *ASYNC, "grpo.async_grpo.max_trajectory_age_steps=0")
     killed = root / "killed"
-    argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(killed), *_overrides(checker, *ASYNC)]
+    argv = ["-m", "relayrl.cli.main", "train", "--run-dir", str(killed), *_overrides(checker, *ASYNC, *IN_STORE)]
     sigkill_after_checkpoint(argv, killed / "checkpoints" / "step_2")
     out["saved"] = load_state_file(killed / "checkpoints" / "step_2" / ASYNC_STATE)
-    out["resumed"] = train("killed", *ASYNC)
+    out["resumed"] = train("killed", *ASYNC, *IN_STORE)
     return out
 
 
@@ -154,6 +157,8 @@ def test_sigkill_with_multi_turn_rollouts_in_flight_resumes_exactly(runs) -> Non
     # d = 1: after step 2, batch 3 (version 1) and batch 4 (version 2) were rolled out, their episodes ended, and not
     # yet trained on: they come back from the checkpoint with their rows, counts and recorded turns
     assert [(b["index"], b["version"]) for b in runs["saved"]["batches"]] == [(3, 1), (4, 2)]
+    # ... in the checkpoint's copy of the store (checkpointing.save_data_plane), not in the state file
+    assert runs["saved"]["rows_in_store"] and not any("rows" in b for b in runs["saved"]["batches"])
     assert all(b["rollout_metrics"]["env/episodes"] == 4 for b in runs["saved"]["batches"])
     reference, resumed = _metrics(runs["a"]), _metrics(runs["resumed"])
     for step in range(3, STEPS + 1):
