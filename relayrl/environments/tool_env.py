@@ -211,6 +211,13 @@ class ToolEnvironment(EnvironmentInterface):
                 flags[r] = {"is_invalid_tool_call": True}
                 observations[r] = _chat([{"role": "tool", "content": f"Error: {exc}"}])
                 continue
+            except Exception as exc:  # a bug in the parser, not a malformed call (those raise ValueError)
+                first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+                raise EnvironmentClassError(
+                    f"tool-call parser {getattr(self.parser, '__qualname__', self.parser)!r} failed on "
+                    f"{episodes[r].where}: {type(exc).__name__}: {first} (env.tool_call_parser; raise ValueError "
+                    "for a malformed call)"
+                ) from exc
             if not calls:
                 finished.append(r)
                 continue

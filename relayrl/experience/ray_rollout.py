@@ -24,6 +24,7 @@ import torch
 from relayrl.config import DataPlaneConfig, MasterConfig
 from relayrl.data_plane.interfaces import KVBatchMeta
 from relayrl.distributed.errors import ActorLostError
+from relayrl.environments.reward_fn_env import RewardFunctionError
 from relayrl.environments.tool_env import EnvironmentClassError
 from relayrl.experience.flight_recorder import export_rows, import_rows
 from relayrl.experience.sync_rollout_actor import SyncRolloutActor
@@ -179,8 +180,8 @@ class RayRolloutActor:
             raise ActorLostError(f"the rollout actor died during {what!r} ({death_site(exc)})") from None
         except self._ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
-            if isinstance(cause, EnvironmentClassError):  # the user's class: its one line, not Ray's trace around it
-                raise cause from None
+            if isinstance(cause, (EnvironmentClassError, RewardFunctionError)):  # the user's code: its one line,
+                raise cause from None  # not Ray's trace around it
             raise
 
     def shutdown(self) -> bool:

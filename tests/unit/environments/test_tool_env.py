@@ -197,6 +197,27 @@ def test_reset_and_get_reward_failures_end_the_run_with_one_line_naming_class_an
         env.step([_reply("done")], metas)
 
 
+def test_a_parser_that_breaks_ends_the_run_in_one_line_and_a_malformed_call_is_counted() -> None:
+    """A parser's ValueError is the model's malformed call (counted, answered with the error); any other exception
+    is a bug in the user's parser: one line naming it and the row, as for the class's own methods."""
+
+    def strict(reply: str) -> list:
+        if reply == "garbled":
+            raise ValueError("not a call")
+        return {"calls": []}["call"]  # KeyError: the parser's own bug
+
+    env = ToolEnvironment(Calculator, parser=strict)
+    metas = [s.metadata for s in env.start_episodes(_episode_rows([3, 4]))]
+    with pytest.raises(EnvironmentClassError) as info:
+        env.step([_reply("garbled"), _reply("fine")], metas)
+    assert str(info.value) == (
+        "tool-call parser 'test_a_parser_that_breaks_ends_the_run_in_one_line_and_a_malformed_call_is_counted."
+        "<locals>.strict' failed on dataset row 2: KeyError: 'call' (env.tool_call_parser; raise ValueError for a "
+        "malformed call)"
+    )
+    assert env.rollout_metrics()["env/invalid_tool_calls"] == 1  # the first row's garbled reply, before it
+
+
 class Closing(Calculator):
     closed: list[int] = []
 
