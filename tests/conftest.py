@@ -29,6 +29,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.quick)
 
 
+DEADLINE_VARIABLES = tuple(f"RELAYRL_{kind}_TIMEOUT_S" for kind in ("START", "CALL", "WAIT", "COLLECTIVE"))
+
+
+def _restoring_deadlines() -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in DEADLINE_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _deadlines_stay_with_their_test() -> Iterator[None]:
+    """A run's `setup()` writes its `cluster.*` deadlines into the process environment (`deadlines.configure`, so its
+    ranks and children inherit them); a test that trains in-process must not hand its deadlines to the next test of
+    the same worker process (a leaked 0.2 s collective deadline failed a later refit test under load)."""
+    yield from _restoring_deadlines()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deadlines_stay_with_their_module() -> Iterator[None]:
+    """The same for a module's fixtures that train in-process (set up before any test's own fixtures)."""
+    yield from _restoring_deadlines()
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     """The character-level tokenizer the shipped model uses (chat template, pad and eos set)."""

@@ -458,5 +458,7 @@ def tight_deadlines(monkeypatch: Any, **fields: float) -> None:
     from relayrl.utils import deadlines
 
     for kind in ("start", "call", "wait", "collective"):
-        monkeypatch.delenv(f"RELAYRL_{kind.upper()}_TIMEOUT_S", raising=False)
+        # setenv, not delenv: delenv of an unset variable records nothing, so what `configure` writes next would
+        # outlive the test (a 0.2 s collective deadline leaked into later refit tests of the same worker process)
+        monkeypatch.setenv(f"RELAYRL_{kind.upper()}_TIMEOUT_S", "")  # empty: the schema's default
     deadlines.configure(ClusterConfig(**fields))
