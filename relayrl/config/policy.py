@@ -233,8 +233,9 @@ class ReferenceConfig(Strict):
 
     offload: bool = False
     """Park the reference on the CPU and move it to the device for each reference pass (saves device memory, costs
-    two copies a step). false: it stays resident on the device. Either way, under bfloat16 / float16 its projections
-    are stored in that precision (the values autocast would compute with; half the memory). No effect on a CPU."""
+    two copies a step). false: it stays resident on the device, and a reference that does not fit there beside the
+    policy stops set-up in one line naming this key. Either way, under bfloat16 / float16 its projections are stored
+    in that precision (the values autocast would compute with; half the memory). No effect on a CPU."""
 
 
 class LoraConfig(Strict):

@@ -8,7 +8,6 @@ must agree across data-parallel ranks (calibration maxima included) goes through
 
 from __future__ import annotations
 
-import copy
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from relayrl.models import fp8_kv
 from relayrl.models.fast.forward import backbone_hidden_states, hf_hidden_states, selected_hidden_states
 from relayrl.models.microbatch import pass_batches, place
 from relayrl.models.policy import logprobs as lp_ops
-from relayrl.models.policy import lora
+from relayrl.models.policy import lora, reference
 from relayrl.models.worker_base import (
     LOAD_LOCK,
     MicrobatchLoss,
@@ -60,24 +59,6 @@ def _load_causal_lm(config: PolicyConfig, weights_path: str | None) -> PreTraine
     if model.get_output_embeddings() is None:
         raise ValueError(f"model at {source} has no output embeddings (lm_head); a causal LM is required")
     return model.float()
-
-
-def _compact(model: nn.Module, dtype: torch.dtype) -> None:
-    """Store a frozen model's `nn.Linear` weights and biases in `dtype` (bfloat16 / float16; float32: unchanged).
-
-    Its passes run under autocast, which rounds exactly these tensors to `dtype` before every product, so the values
-    are the same and the copy takes half the memory. A head tied to the embeddings gets its own copy: the lookup
-    keeps reading float32 embeddings, as autocast leaves them."""
-    if dtype == torch.float32:
-        return
-    embeddings: Any = getattr(model, "get_input_embeddings", None)
-    tied = embeddings().weight if embeddings is not None else None
-    for module in model.modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        if module.weight is tied:
-            module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
-        module.to(dtype)
 
 
 def percentile_of(values: list[float], percentile: float) -> float:
@@ -175,13 +156,12 @@ class PolicyWorker(ModelWorker):
     def _before_wrap(self) -> None:
         """Snapshot the loaded weights (a checkpoint's on resume, as in the reference system) before any
         data-parallel wrapping: a second frozen module, resident on the device (`policy.reference.offload`: parked
-        on the CPU, moved over for each reference pass), its projections in the compute precision (`_compact`).
+        on the CPU, moved over for each reference pass), its projections in the compute precision (`reference`).
         Under LoRA the reference is the live module with its adapters off: nothing to copy.
         """
         if self._init_reference_model and self.peft_model is None:
-            ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-            _compact(ref, dev.precision_dtype(self.cfg.precision))
-            move_module(ref, torch.device("cpu") if self.cfg.reference.offload else self.device)
+            dtype = dev.precision_dtype(self.cfg.precision)
+            ref = reference.build_reference(self.model, dtype, self.device, offload=self.cfg.reference.offload)
             self.reference_model = ref
 
     # ------------------------------------------------------------------ forward building blocks
