@@ -16,7 +16,9 @@ from relayrl.algorithms.loss_functions import NLLLossFn
 from relayrl.config import PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.refit import (
+    TrainerRefit,
     WeightUpdateGroup,
+    collective_world,
     ipc_address,
     load_into_module,
     receive_weights_via_ipc_zmq,
@@ -78,22 +80,31 @@ def assert_bit_identical(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         assert torch.equal(tensor, theirs[name]), name
 
 
-@pytest.mark.parametrize("buffer_size", [4096, 64 << 20])  # many buckets (+ oversize tensors alone) / one bucket
-def test_zmq_ipc_refit_is_bit_identical(trained, tmp_path, buffer_size: int) -> None:
+@pytest.mark.parametrize(
+    ("buffer_size", "handles"), [(4096, True), (64 << 20, False)]
+)  # many buckets (+ oversize tensors alone through the socket) in shared memory / one bucket through the socket
+def test_zmq_ipc_refit_is_bit_identical_and_sends_tied_weights_once(
+    trained, tmp_path, buffer_size: int, handles: bool
+) -> None:
     worker, cfg = trained
     dst = receiver_model(cfg)
     assert any(not torch.equal(v, dst.state_dict()[k]) for k, v in worker.model.state_dict().items())
     info = worker.prepare_refit_info()
     streamed = list(worker.model.state_dict().items())
     assert info == refit_info(streamed, torch.float32)  # the manifest describes exactly the streamed tensors
+    assert info["lm_head.weight"] == "model.embed_tokens.weight"  # tied: marked, sent once
     address = ipc_address(f"cpu-{uuid.uuid4().hex[:6]}", str(tmp_path))
     t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, info, load_into_module(dst), timeout_ms=30_000))
-    stats = stream_weights_via_ipc_zmq(streamed, address, buffer_size, dtype=torch.float32, timeout_ms=30_000)
+    stats = stream_weights_via_ipc_zmq(
+        streamed, address, buffer_size, dtype=torch.float32, timeout_ms=30_000, handles=handles
+    )
     t.join(30)
     assert got == {"value": True}
     assert_bit_identical(worker.model, dst)
-    total = sum(v.numel() * 4 for v in worker.model.state_dict().values())
-    assert stats["bytes"] >= total
+    assert dst.lm_head.weight.data_ptr() == dst.model.embed_tokens.weight.data_ptr()  # still tied
+    unique = sum(v.numel() * 4 for k, v in streamed if k != "lm_head.weight")  # bytes on the wire: the tie once
+    assert unique <= stats["bytes"] < unique + 512 * len(streamed) < unique + streamed[0][1].numel() * 4
+    assert stats["transport"] == ("shm" if handles else "socket")
     assert (stats["buckets"] > len(streamed) // 2) if buffer_size == 4096 else (stats["buckets"] == 1)
 
 
@@ -125,33 +136,36 @@ def test_zmq_ipc_casts_to_the_manifest_dtype_and_reports_failures(tmp_path) -> N
         stream_weights_via_ipc_zmq(tensors, address, 100)
 
 
-def test_collective_refit_to_replica_and_generation_worker(trained) -> None:
+def test_collective_refit_is_one_broadcast_from_rank0_to_generation_workers(trained) -> None:
+    """Reference numbering (training ranks 0 and 1, one generation worker: world 3); the broadcast group is training
+    rank 0 and the worker only: rank 1 joins nothing and receives nothing. The tied embedding travels once."""
     worker, cfg = trained
     dst = receiver_model(cfg)
     info = worker.prepare_refit_info()
-    port, world = free_port(), 3  # rank 0: training source, rank 1: training replica, rank 2: generation
+    port = free_port()
     kv = {"model.layers.0.self_attn.k_scale": 0.0123, "model.layers.0.self_attn.v_scale": 1 / 3}
+    replica = TrainerRefit("127.0.0.1", port, 3, train_world_size=2, rank=1)
+    assert replica.group is None and replica.broadcast(worker.model.state_dict().items(), kv_scales=kv) is None
 
     def rank(r: int) -> Any:
-        group = WeightUpdateGroup("127.0.0.1", port, r, world, timeout_s=60)
-        out = []
-        for bucket_bytes, scales in ((50_000, kv), (1 << 30, None)):  # two refits reuse the group
-            if r == 0:
-                out.append(
-                    group.send_weights(worker.model.state_dict().items(), bucket_bytes=bucket_bytes, kv_scales=scales)
-                )
-            else:
-                out.append(group.receive_weights(info, load_into_module(dst) if r == 2 else None))
-        return out
+        if r == 0:
+            source = TrainerRefit("127.0.0.1", port, 3, train_world_size=2, rank=0)
+            assert source.group is not None and source.group.world_size == collective_world(3, 2) == 2
+            first = source.group.send_weights(worker.model.state_dict().items(), bucket_bytes=50_000, kv_scales=kv)
+            return [first, source.broadcast(worker.model.state_dict().items())]  # two refits reuse the group
+        group = WeightUpdateGroup("127.0.0.1", port, 1, collective_world(3, 2), timeout_s=60)
+        return [group.receive_weights(info, load_into_module(dst)) for _ in range(2)]
 
-    threads = [in_thread(lambda r=r: rank(r)) for r in range(world)]
-    for t, _ in threads:
-        t.join(120)
-    (_, src), (_, replica), (_, gen) = threads
-    assert "error" not in src and "error" not in replica and "error" not in gen, (src, replica, gen)
+    (t0, src), (t1, gen) = in_thread(lambda: rank(0)), in_thread(lambda: rank(1))
+    t0.join(120)
+    t1.join(120)
+    assert "error" not in src and "error" not in gen, (src, gen)
     assert src["value"][0]["buckets"] > 1 and src["value"][1]["buckets"] == 1
-    assert replica["value"] == gen["value"] == [kv, None]  # KV scales arrive exactly (JSON float round trip)
+    assert gen["value"] == [kv, None]  # KV scales arrive exactly (JSON float round trip)
     assert_bit_identical(worker.model, dst)
+    tied = worker.model.lm_head.weight.numel() * 4
+    everything = sum(v.numel() * 4 for v in worker.model.state_dict().values())
+    assert src["value"][1]["bytes"] == everything - tied  # the tied embedding once
 
 
 def test_collective_detects_a_mismatched_manifest_without_hanging() -> None:
