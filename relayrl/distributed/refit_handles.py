@@ -79,7 +79,11 @@ def _make(device: torch.device, size: int) -> SharedBuffers:
     if not os.path.isdir(SHM_ROOT) or not os.access(SHM_ROOT, os.W_OK):
         raise RuntimeError(f"{SHM_ROOT} is not a writable directory")
     root = _private_shm_dir()
-    paths = [tempfile.mkstemp(prefix="buffer-", dir=root)[1] for _ in range(2)]
+    paths = []
+    for _ in range(2):
+        fd, path = tempfile.mkstemp(prefix="buffer-", dir=root)
+        os.close(fd)
+        paths.append(path)
     return SharedBuffers("shm", [torch.from_file(p, shared=True, size=size, dtype=torch.uint8) for p in paths], paths)
 
 
@@ -114,9 +118,11 @@ def map_buffers(handles: dict[str, Any]) -> list[torch.Tensor]:
     if handles["kind"] == "shm":
         key: tuple[Any, ...] = ("shm", *handles["paths"], handles["size"])
         if key not in _mapped:
-            _mapped[key] = [
-                torch.from_file(p, shared=True, size=handles["size"], dtype=torch.uint8) for p in handles["paths"]
-            ]
+            size = handles["size"]
+            for path in handles["paths"]:  # from_file would make a missing file: zeros instead of the weights
+                if not os.path.isfile(path) or os.path.getsize(path) != size:
+                    raise FileNotFoundError(f"{path} is not the sender's {size}-byte buffer")
+            _mapped[key] = [torch.from_file(p, shared=True, size=size, dtype=torch.uint8) for p in handles["paths"]]
         return _mapped[key]
     if handles["kind"] != "cuda_ipc":
         raise ValueError(f"unknown refit handle kind {handles['kind']!r}")

@@ -213,3 +213,54 @@ def test_a_refit_peer_that_never_answers_ends_with_one_line(tmp_path: Path, monk
         f"refit over ZMQ IPC {address} (0 of 2 tensors in): the training rank's next bucket did not finish within "
         "0.2s (cluster.collective_timeout_s)"
     )
+
+
+def test_shared_memory_refit_generates_what_the_socket_refit_does(trained, char_tokenizer, tmp_path, caplog) -> None:
+    """Issue 27 item 4 on the CPU: the colocated refit by shared-memory handles (the receiver reads the sender's
+    buffers in place) gives bit-identical generation to the socket copy; a receiver that cannot map the handles
+    (their files gone) gets the socket copy, and the choice is logged once."""
+    from relayrl.config import ColocatedConfig, GenerationConfig
+    from relayrl.distributed import refit_handles
+    from relayrl.models.generation.hf_generation import HfGeneration
+
+    worker, cfg = trained
+    streamed = list(worker.model.state_dict().items())
+    info = worker.prepare_refit_info()
+    prompts = BatchedDataDict(
+        input_ids=torch.randint(2, len(char_tokenizer), (3, 6)), input_lengths=torch.tensor([6, 4, 5])
+    )
+    gen_cfg = GenerationConfig(max_new_tokens=8, colocated=ColocatedConfig(enabled=True))
+
+    class Source:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model, self.weights_version = model, 0
+
+    def refit(handles: bool, address: str) -> tuple[dict[str, Any], Any]:
+        dst = receiver_model(cfg)
+        t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, info, load_into_module(dst), timeout_ms=30_000))
+        stats = stream_weights_via_ipc_zmq(streamed, address, 1 << 16, timeout_ms=30_000, handles=handles)
+        t.join(30)
+        assert got == {"value": True}
+        assert_bit_identical(worker.model, dst)
+        return stats, HfGeneration(gen_cfg, char_tokenizer, Source(dst), seed=5).generate(prompts)
+
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    (shm, by_shm), (_, again) = refit(True, address), refit(True, address)  # buffers made once, refilled in place
+    socket_stats, by_socket = refit(False, ipc_address(uuid.uuid4().hex[:6], str(tmp_path)))
+    assert shm["transport"] == "shm" and socket_stats["transport"] == "socket" and shm["bytes"] == socket_stats["bytes"]
+    for out in (again, by_socket):
+        assert torch.equal(out["output_ids"], by_shm["output_ids"]) and torch.equal(out["logprobs"], by_shm["logprobs"])
+    buffers = refit_handles.sender_buffers(address, torch.device("cpu"), 1 << 15)
+    assert buffers is not None and buffers.kind == "shm"
+    # a receiver that cannot map the handles: the socket copy, logged once
+    gone = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    lost = refit_handles.sender_buffers(gone, torch.device("cpu"), 1 << 15)
+    assert lost is not None
+    for path in lost.paths:
+        Path(path).unlink()
+    with caplog.at_level("INFO", logger="relayrl.distributed.refit_handles"):
+        fallback, by_fallback = refit(True, gone)
+        refit(True, gone)
+    assert fallback["transport"] == "socket" and torch.equal(by_fallback["output_ids"], by_shm["output_ids"])
+    lines = [r.getMessage() for r in caplog.records if gone in r.getMessage()]
+    assert len(lines) == 1 and "socket copy (the generation worker cannot map shm handles" in lines[0]
