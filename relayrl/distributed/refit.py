@@ -118,6 +118,8 @@ def _socket(ctx: zmq.Context[Any], kind: int, timeout_ms: int) -> zmq.Socket[Any
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     sock.setsockopt(zmq.LINGER, 0)
+    # a receiver usually connects before the sender binds: retry every 2 ms, not after zmq's default 100 ms
+    sock.setsockopt(zmq.RECONNECT_IVL, 2)
     return sock
 
 
