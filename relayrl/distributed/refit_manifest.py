@@ -8,7 +8,7 @@ and the receiver gets it under both names (`with_ties`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -114,3 +114,28 @@ def load_into_module(module: torch.nn.Module) -> LoadFn:
                     done.add(key)
 
     return load
+
+
+def snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A detached copy of every tensor, each storage once: a tied tensor is the same copy under both names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in unique_tensors(named_tensors):
+        out[name] = out[t] if isinstance(t, str) else t.detach().clone()
+    return out
+
+
+def adopt_into_module(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> bool:
+    """Point `module`'s parameters and buffers at `state`'s tensors instead of copying them, when every entry
+    matches by name, shape, stride, dtype and device; otherwise change nothing and return False (copy instead).
+    The caller hands the tensors over: nothing may write them while the module reads them."""
+    live = module.state_dict(keep_vars=True)
+    if live.keys() != state.keys():
+        return False
+    for name, t in state.items():
+        cur = live[name]
+        if (t.shape, t.stride(), t.dtype, t.device) != (cur.shape, cur.stride(), cur.dtype, cur.device):
+            return False
+    with torch.no_grad():
+        for name, t in state.items():
+            live[name].data = t.detach()
+    return True
