@@ -139,7 +139,7 @@ def measure_throughput(groups: dict[int, Any], args: argparse.Namespace) -> tupl
 def measure_refit(group: Any, cfg: PolicyConfig, reps: int, buffer_bytes: int) -> dict[str, list[float]]:
     """Refit from a Ray rank to a model in this process, each transport before and after; seconds per MiB."""
     live = group.run_rank0(TimedPolicyWorker.state_dict)
-    info = refit.refit_info(live.items())
+    info = group.run_rank0(TimedPolicyWorker.prepare_refit_info)  # the sender's manifest (its ties marked)
     mib = refit.wire_bytes(info) / 2**20
     receiver = load_causal_lm(cfg)
     load = refit.load_into_module(receiver)
