@@ -264,3 +264,36 @@ def test_shared_memory_refit_generates_what_the_socket_refit_does(trained, char_
     assert fallback["transport"] == "socket" and torch.equal(by_fallback["output_ids"], by_shm["output_ids"])
     lines = [r.getMessage() for r in caplog.records if gone in r.getMessage()]
     assert len(lines) == 1 and "socket copy (the generation worker cannot map shm handles" in lines[0]
+
+
+def _cuda_receiver(address: str, info: dict[str, Any], out: Any) -> None:
+    got: dict[str, torch.Tensor] = {}
+    ok = receive_weights_via_ipc_zmq(
+        address, info, lambda batch: got.update({n: t.cpu().clone() for n, t in batch}), timeout_ms=120_000
+    )
+    out.put((ok, got))
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_refit_across_processes(tmp_path: Path) -> None:
+    """On a GPU the colocated refit hands a receiver in another process CUDA IPC handles to the sender's buffers: the
+    tensors arrive exactly, a tied one once, one larger than a half buffer through the socket."""
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(64, 32, generator=g).cuda()
+    tensors = [
+        ("emb", emb),
+        ("w", torch.randn(300_000, generator=g).cuda()),
+        ("b", torch.randn(7).cuda()),
+        ("head", emb),
+    ]
+    info = refit_info(tensors)
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_cuda_receiver, args=(address, info, out))
+    child.start()
+    stats = stream_weights_via_ipc_zmq(tensors, address, 1 << 20, timeout_ms=120_000)
+    ok, got = out.get(timeout=180)
+    child.join(60)
+    assert ok and stats["transport"] == "cuda_ipc" and stats["buckets"] == 3  # emb | w alone | b
+    assert all(torch.equal(got[n], t.cpu()) for n, t in tensors)
