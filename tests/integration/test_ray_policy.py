@@ -97,7 +97,8 @@ def check_refit(policy: Policy, cfg: PolicyConfig) -> None:
     """Both refit methods, from the Ray ranks to models in this process, after training: bit-identical weights."""
     live = policy.state_dict_for_refit()
     info = policy.prepare_refit_info()
-    assert info == refit.refit_info(live.items(), torch.float32)  # describes exactly the streamed tensors
+    # describes exactly the streamed tensors (the tie marked: `live` came through Ray, which does not keep it)
+    assert info == refit.refit_info(load_causal_lm(cfg).state_dict().items(), torch.float32)
     # not colocated: this process is the generation worker (reference rank 2 of 3) of a weight-update group whose
     # only other member is training rank 0 (group rank 1 of 2)
     gen = load_causal_lm(cfg)
