@@ -182,6 +182,7 @@ def stream_weights_via_ipc_zmq(
                 shared = None
                 buffers = [torch.empty(half, dtype=torch.uint8) for _ in range(2)]
             else:
+                refit_handles.accepted(shared)
                 refit_handles.chosen(address, shared.kind)
         where = device.type if shared is not None else "cpu"
         for name, tensor in sent:

@@ -6,8 +6,9 @@ One code path; the device of the weights decides the kind of handle:
 * `cuda_ipc`: the buffers live on the training rank's GPU; the handle is what
   `torch.multiprocessing.reductions.reduce_tensor` makes of them (a CUDA IPC memory handle), and the receiver, on the
   same GPU (colocated workers pair by GPU UUID), opens it on its own current device.
-* `shm`: the buffers are files in /dev/shm (a private directory, mode 0700) mapped `MAP_SHARED` by both sides
-  (`torch.from_file(shared=True)`); the handle is the file's path and size.
+* `shm`: the buffers are files in /dev/shm (mode 0600) mapped `MAP_SHARED` by both sides
+  (`torch.from_file(shared=True)`); the handle is the files' paths and size. Once the receiver mapped them the files
+  are unlinked (both mappings stay), so a killed process leaves nothing behind.
 
 The sender makes its buffers once per socket address and size and refills them in place on every refit; the receiver
 maps a handle once and keeps the mapping. Where handles cannot be used (no /dev/shm, a receiver that cannot map them)
@@ -17,9 +18,9 @@ the refit falls back to the socket copy, logged once per address and reason.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,8 @@ class SharedBuffers:
 
     kind: str  # "cuda_ipc" | "shm"
     tensors: list[torch.Tensor]
-    paths: list[str]  # shm: the files behind the buffers
+    paths: list[str]  # shm: the files behind the buffers (unlinked once the receiver mapped them)
+    mapped: bool = False  # a receiver mapped them
     _handles: dict[str, Any] | None = None
 
     def handles(self) -> dict[str, Any]:
@@ -54,21 +56,12 @@ class SharedBuffers:
 _senders: dict[tuple[str, str, int], SharedBuffers | None] = {}  # (address, device, size) -> buffers (None: refused)
 _mapped: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # handle identity -> the receiver's views of the buffers
 _logged: set[tuple[str, str]] = set()
-_shm_dir: list[str] = []
 
 
 def _log_once(address: str, line: str) -> None:
     if (address, line) not in _logged:
         _logged.add((address, line))
         logger.info("refit to %s: %s", address, line)
-
-
-def _private_shm_dir() -> str:
-    if not _shm_dir:
-        path = tempfile.mkdtemp(prefix="relayrl-refit-", dir=SHM_ROOT)  # mode 0700
-        atexit.register(shutil.rmtree, path, True)
-        _shm_dir.append(path)
-    return _shm_dir[0]
 
 
 def _make(device: torch.device, size: int) -> SharedBuffers:
@@ -78,13 +71,18 @@ def _make(device: torch.device, size: int) -> SharedBuffers:
         raise RuntimeError(f"no shareable buffer on a {device.type} device")
     if not os.path.isdir(SHM_ROOT) or not os.access(SHM_ROOT, os.W_OK):
         raise RuntimeError(f"{SHM_ROOT} is not a writable directory")
-    root = _private_shm_dir()
     paths = []
     for _ in range(2):
-        fd, path = tempfile.mkstemp(prefix="buffer-", dir=root)
+        fd, path = tempfile.mkstemp(prefix="relayrl-refit-", dir=SHM_ROOT)  # mode 0600
         os.close(fd)
+        atexit.register(_unlink, path)
         paths.append(path)
     return SharedBuffers("shm", [torch.from_file(p, shared=True, size=size, dtype=torch.uint8) for p in paths], paths)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def sender_buffers(address: str, device: torch.device, size: int) -> SharedBuffers | None:
@@ -100,11 +98,23 @@ def sender_buffers(address: str, device: torch.device, size: int) -> SharedBuffe
     return _senders[key]
 
 
+def accepted(buffers: SharedBuffers) -> None:
+    """The receiver mapped `buffers`: their files are unlinked (the mappings stay), so nothing is left in /dev/shm
+    when a process is killed without running its exit handlers."""
+    for path in buffers.paths:
+        _unlink(path)
+    buffers.mapped = True
+
+
 def refused(address: str, buffers: SharedBuffers, reason: str) -> None:
-    """The receiver could not map `buffers`: socket copies from now on for this address (logged once)."""
-    for key, value in _senders.items():
+    """The receiver could not map `buffers`: socket copies from now on for this address (logged once); buffers
+    another receiver mapped before (their files gone) are made afresh for the next refit instead."""
+    for key, value in list(_senders.items()):
         if value is buffers:
-            _senders[key] = None
+            if buffers.mapped:
+                del _senders[key]
+            else:
+                _senders[key] = None
     _log_once(address, f"socket copy (the generation worker cannot map {buffers.kind} handles: {reason})")
 
 

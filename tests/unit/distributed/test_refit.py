@@ -251,7 +251,8 @@ def test_shared_memory_refit_generates_what_the_socket_refit_does(trained, char_
     for out in (again, by_socket):
         assert torch.equal(out["output_ids"], by_shm["output_ids"]) and torch.equal(out["logprobs"], by_shm["logprobs"])
     buffers = refit_handles.sender_buffers(address, torch.device("cpu"), 1 << 15)
-    assert buffers is not None and buffers.kind == "shm"
+    assert buffers is not None and buffers.kind == "shm" and buffers.mapped
+    assert not any(Path(p).exists() for p in buffers.paths)  # mapped, then unlinked: nothing left in /dev/shm
     # a receiver that cannot map the handles: the socket copy, logged once
     gone = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
     lost = refit_handles.sender_buffers(gone, torch.device("cpu"), 1 << 15)
