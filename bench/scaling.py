@@ -12,14 +12,17 @@ would be with two cores to themselves, and the host load average is printed next
 other processes' load lowers the wall-clock ratio, not the CPU one. The first step's loss must agree between the
 groups (same global batch, same start weights), which checks the two runs do the same work.
 
-Refit: the 1-worker group's rank (a Ray actor) sends its weights to a model in this process (the generation side)
-by ZMQ IPC buckets and by the gloo weight-update group; each refit is checked bit-exact and timed per MiB.
+Refit (issue 27 item 4, before and after side by side, alternating refit by refit): the 2-worker group's rank 0 (a
+Ray actor) sends its weights to a model in this process (the generation side, same node) by ZMQ IPC buckets through
+the socket (before) and by shared-memory handles (after), and by the gloo weight-update group with training rank 1
+a member that receives and drops the weights (before) and with rank 0 and the generation side only (after); each
+refit is checked bit-exact and timed per MiB (medians, ratios). `--refit-only` skips the throughput part.
 
 `--strategy` picks how the 2 ranks combine gradients (`policy.data_parallel.strategy`: manual all-reduce, DDP or
 FSDP2); the 1-worker group has nothing to reduce and always runs as manual.
 
     python bench/scaling.py [--hidden 512] [--layers 8] [--seq 128] [--gbs 16] [--mbs 4] [--reps 5] [--warmup 1]
-                            [--refit-reps 3] [--refit-buffer-mb 32] [--strategy manual|ddp|fsdp2]
+                            [--refit-reps 3] [--refit-buffer-mb 32] [--strategy manual|ddp|fsdp2] [--refit-only]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import socket
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -83,15 +87,24 @@ class TimedPolicyWorker(PolicyWorker):
         return {"loss": float(result["loss"][0]), "cpu": time.process_time() - cpu}
 
     # refit senders: thin wrappers over relayrl.distributed.refit (what PolicyWorker's refit methods call)
-    def send_ipc(self, address: str, buffer_size_bytes: int) -> dict[str, int]:
-        return refit.stream_weights_via_ipc_zmq(self.model.state_dict().items(), address, buffer_size_bytes)
+    def send_ipc(self, address: str, buffer_size_bytes: int, handles: bool) -> dict[str, Any]:
+        return refit.stream_weights_via_ipc_zmq(
+            self.model.state_dict().items(), address, buffer_size_bytes, handles=handles
+        )
 
-    def join_weight_group(self, ip: str, port: int, world_size: int) -> bool:
-        self._weight_group = refit.WeightUpdateGroup(ip, port, self.rank, world_size)
+    def join_weight_groups(self, ip: str, ports: tuple[int, int]) -> bool:
+        """Before: every training rank in the group (rank 1 receives and drops); after: rank 0 only."""
+        self._groups = {"before": refit.WeightUpdateGroup(ip, ports[0], self.rank, 3)}
+        if self.rank == 0:
+            self._groups["after"] = refit.WeightUpdateGroup(ip, ports[1], 0, 2)
         return True
 
-    def send_collective(self) -> dict[str, int]:
-        return self._weight_group.send_weights(self.model.state_dict().items())
+    def collective_refit(self, layout: str) -> bool:
+        if self.rank == 0:
+            self._groups[layout].send_weights(self.model.state_dict().items())
+        elif layout == "before":
+            self._groups[layout].receive_weights(refit.refit_info(self.model.state_dict().items()), None)
+        return True
 
 
 def train_step(group: Any, data: BatchedDataDict, gbs: int, mbs: int) -> tuple[float, float, float]:
@@ -124,35 +137,46 @@ def measure_throughput(groups: dict[int, Any], args: argparse.Namespace) -> tupl
 
 
 def measure_refit(group: Any, cfg: PolicyConfig, reps: int, buffer_bytes: int) -> dict[str, list[float]]:
-    """Refit from a Ray rank to a model in this process, both transports; seconds per MiB, bit-exactness checked."""
+    """Refit from a Ray rank to a model in this process, each transport before and after; seconds per MiB."""
     live = group.run_rank0(TimedPolicyWorker.state_dict)
-    info = refit.refit_info(live.items())
-    mib = sum(t.numel() * t.element_size() for t in live.values()) / 2**20
+    info = group.run_rank0(TimedPolicyWorker.prepare_refit_info)  # the sender's manifest (its ties marked)
+    mib = refit.wire_bytes(info) / 2**20
     receiver = load_causal_lm(cfg)
     load = refit.load_into_module(receiver)
-    out: dict[str, list[float]] = {"zmq_ipc": [], "collective": []}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    joined = run_all_async(group, TimedPolicyWorker.join_weight_group, "127.0.0.1", port, 2)
-    weight_group = refit.WeightUpdateGroup("127.0.0.1", port, 1, 2)
+    stale = {k: torch.zeros_like(v) for k, v in receiver.state_dict().items()}  # every refit must overwrite all
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+    joined = run_all_async(group, TimedPolicyWorker.join_weight_groups, "127.0.0.1", tuple(ports))
+    groups = {"before": refit.WeightUpdateGroup("127.0.0.1", ports[0], 2, 3)}
+    groups["after"] = refit.WeightUpdateGroup("127.0.0.1", ports[1], 1, 2)
     joined.result()
-    for rep in range(reps):
-        address = refit.ipc_address(f"bench-{os.getpid()}-{rep}")
-        start = time.perf_counter()
-        sent = run_all_async(group, TimedPolicyWorker.send_ipc, address, buffer_bytes)
-        ok = refit.receive_weights_via_ipc_zmq(address, info, load)
-        sent.result()
-        out["zmq_ipc"].append((time.perf_counter() - start) / mib)
-        assert ok and all(torch.equal(v, receiver.state_dict()[k]) for k, v in live.items()), "ZMQ refit not exact"
-        receiver.load_state_dict(load_causal_lm(cfg).state_dict())  # stale again
-        start = time.perf_counter()
-        sent = run_all_async(group, TimedPolicyWorker.send_collective)
-        weight_group.receive_weights(info, load)
-        sent.result()
-        out["collective"].append((time.perf_counter() - start) / mib)
-        assert all(torch.equal(v, receiver.state_dict()[k]) for k, v in live.items()), "collective refit not exact"
-    print(f"refit payload: {mib:.1f} MiB of float32 weights; ZMQ buffer {buffer_bytes / 2**20:.0f} MiB")
+    methods = ["zmq socket", "zmq shm handles", "collective all ranks", "collective rank 0 only"]
+    out: dict[str, list[float]] = {m: [] for m in methods}
+    for rep in range(reps + 1):  # the first round warms up (shared buffers made, handles mapped)
+        for method in methods if rep % 2 == 0 else methods[::-1]:
+            receiver.load_state_dict(stale)
+            start = time.perf_counter()
+            if method.startswith("zmq"):
+                address = refit.ipc_address(f"bench-{os.getpid()}-{method.replace(' ', '-')}")
+                pool = ThreadPoolExecutor(1)
+                got = pool.submit(refit.receive_weights_via_ipc_zmq, address, info, load)
+                stats = group.run_rank0(TimedPolicyWorker.send_ipc, address, buffer_bytes, method.endswith("handles"))
+                assert got.result(timeout=600) and stats["transport"] == ("shm" if "shm" in method else "socket")
+                pool.shutdown()
+            else:
+                layout = "before" if method.endswith("all ranks") else "after"
+                sent = run_all_async(group, TimedPolicyWorker.collective_refit, layout)
+                groups[layout].receive_weights(info, load)
+                sent.result()
+            if rep:
+                out[method].append((time.perf_counter() - start) / mib)
+            assert all(torch.equal(v, receiver.state_dict()[k]) for k, v in live.items()), f"{method} refit not exact"
+    print(
+        f"refit payload: {mib:.1f} MiB of float32 weights (a tied tensor once); ZMQ buffer {buffer_bytes / 2**20:.0f} MiB"
+    )
     return out
 
 
@@ -168,6 +192,7 @@ def main() -> None:
     ap.add_argument("--refit-reps", type=int, default=3)
     ap.add_argument("--refit-buffer-mb", type=int, default=32)
     ap.add_argument("--strategy", choices=["manual", "ddp", "fsdp2"], default="manual")
+    ap.add_argument("--refit-only", action="store_true", help="measure the refit only (2-worker group)")
     args = ap.parse_args()
     if args.gbs % (2 * args.mbs):
         raise SystemExit(f"--gbs {args.gbs} must split into 2 ranks of whole micro-batches of {args.mbs}")
@@ -178,7 +203,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # a cluster of its own
     groups: dict[int, Any] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -194,7 +219,7 @@ def main() -> None:
                     data_parallel={"strategy": args.strategy},
                 )
             )
-            for world in (1, 2):
+            for world in (2,) if args.refit_only else (1, 2):
                 cluster = ClusterConfig(executor="ray", workers_per_node=world, torch_num_threads=1, device="cpu")
                 groups[world] = build_worker_group(
                     TimedPolicyWorker, cluster, config=cfg, device="cpu", init_reference_model=False
@@ -204,14 +229,18 @@ def main() -> None:
                 f"step: {args.gbs} rows x {args.seq} tokens, micro-batch {args.mbs}; 2-worker strategy {args.strategy}; "
                 f"start-up {time.perf_counter() - t0:.0f}s"
             )
-            load_before = os.getloadavg()[0]
-            times, cpus = measure_throughput(groups, args)
-            load_after = os.getloadavg()[0]
-            refit_s = measure_refit(groups[1], cfg, args.refit_reps, args.refit_buffer_mb << 20)
+            refit_s = measure_refit(groups[2], cfg, args.refit_reps, args.refit_buffer_mb << 20)
+            if not args.refit_only:
+                load_before = os.getloadavg()[0]
+                times, cpus = measure_throughput(groups, args)
+                load_after = os.getloadavg()[0]
     finally:
         for group in groups.values():
             group.shutdown()
         ray.shutdown()
+    report_refit(refit_s)
+    if args.refit_only:
+        return
     rates = {w: args.gbs / statistics.median(ts) for w, ts in times.items()}
     for world in (1, 2):
         ts = times[world]
@@ -227,9 +256,15 @@ def main() -> None:
         f"{statistics.median(cpus[2]):.2f} -> {cpu_ratio:.2f}x with two uncontended cores; "
         f"host load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores"
     )
-    for method, per_mib in refit_s.items():
-        print(f"refit {method}: median {1000 * statistics.median(per_mib):.2f} ms/MiB over {len(per_mib)} refits")
     print(f"total {time.perf_counter() - t0:.0f}s")
+
+
+def report_refit(refit_s: dict[str, list[float]]) -> None:
+    med = {m: 1000 * statistics.median(v) for m, v in refit_s.items()}
+    for method, ms in med.items():
+        print(f"refit {method}: median {ms:.2f} ms/MiB over {len(refit_s[method])} refits")
+    for before, after in (("zmq socket", "zmq shm handles"), ("collective all ranks", "collective rank 0 only")):
+        print(f"refit {after} / {before}: {med[after] / med[before]:.2f}")
 
 
 if __name__ == "__main__":

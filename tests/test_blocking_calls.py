@@ -52,7 +52,7 @@ ALLOWED: dict[str, str] = {
     "relayrl/models/fast/kernels.py::_compile::proc.communicate()": "after killpg(SIGKILL)",
     "relayrl/models/fast/kernels.py::_compile::proc.wait()": "after killpg(SIGKILL)",
     # gloo work of the weight-update group: the group's own timeout (cluster.collective_timeout_s) ends the wait
-    "relayrl/distributed/refit.py::_broadcast::self._pg.broadcast([tensor], _root(0)).wait()": "gloo group timeout",
+    "relayrl/distributed/refit_collective.py::_broadcast::self._pg.broadcast([tensor], _root(0)).wait()": "gloo group timeout",
     # the async producer idles until the trainer publishes the weights its next batch needs (bounded staleness):
     # that is the trainer's pace, whose own waits have deadlines; the thread is a daemon and never blocks an exit
     "relayrl/algorithms/async_rollouts.py::_run::self._cond.wait_for(lambda need=need: self._latest >= need or "

@@ -34,6 +34,7 @@ from relayrl.algorithms.runner import LoopParts, run_loop
 from relayrl.algorithms.trainer_common import KvScaleSync
 from relayrl.algorithms.validation import Envs, sync_validator
 from relayrl.config import GenerationConfig, MasterConfig
+from relayrl.distributed import refit_manifest
 from relayrl.environments.registry import fork_environments
 from relayrl.experience.flight_recorder import import_rows
 from relayrl.experience.ray_rollout import RayRolloutActor, rollout_actor_cls
@@ -91,7 +92,7 @@ def _producer_side(
     engine = _local_engine(cfg, gen_cfg, tokenizer, pin, device)
 
     def clone_live() -> dict[str, torch.Tensor]:
-        weights = {k: v.detach().clone() for k, v in source.model.state_dict().items()}
+        weights = refit_manifest.snapshot(source.model.state_dict().items())  # a tied tensor copied once
         if device.type == "cuda":  # the producer reads the copy on its own stream: finish it first
             torch.cuda.current_stream(device).synchronize()
         return weights

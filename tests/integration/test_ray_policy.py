@@ -97,13 +97,15 @@ def check_refit(policy: Policy, cfg: PolicyConfig) -> None:
     """Both refit methods, from the Ray ranks to models in this process, after training: bit-identical weights."""
     live = policy.state_dict_for_refit()
     info = policy.prepare_refit_info()
-    assert info == refit.refit_info(live.items(), torch.float32)  # describes exactly the streamed tensors
-    # not colocated: this process is generation worker 2 of a weight-update group with training ranks 0 and 1
+    # describes exactly the streamed tensors (the tie marked: `live` came through Ray, which does not keep it)
+    assert info == refit.refit_info(load_causal_lm(cfg).state_dict().items(), torch.float32)
+    # not colocated: this process is the generation worker (reference rank 2 of 3) of a weight-update group whose
+    # only other member is training rank 0 (group rank 1 of 2)
     gen = load_causal_lm(cfg)
     assert any(not torch.equal(v, gen.state_dict()[k]) for k, v in live.items())  # stale before the refit
     port = free_port()
     joined = policy.init_collective("127.0.0.1", port, 3, train_world_size=2)  # one handle per training rank
-    group = refit.WeightUpdateGroup("127.0.0.1", port, 2, 3, timeout_s=120)
+    group = refit.WeightUpdateGroup("127.0.0.1", port, 1, refit.collective_world(3, 2), timeout_s=120)
     assert [h.result() for h in joined] == [True, True]
     kv = {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.1.self_attn.v_scale": 0.25}
     sent = policy.broadcast_weights_for_collective(kv)

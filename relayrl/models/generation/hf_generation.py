@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from relayrl.config import GenerationConfig
-from relayrl.distributed import refit_digest
+from relayrl.distributed import refit_digest, refit_manifest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models import fp8_kv
 from relayrl.models.fast.compute_weights import ComputeWeights
@@ -191,11 +191,13 @@ class HfGeneration(GenerationInterface):
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Refit this engine's private copy from a snapshot of the policy's weights taken at `version` (an
         asynchronous producer generates on an older version than the policy's live one). The caller's model
-        source must then report `version`, which generate() checks."""
+        source must then report `version`, which generate() checks. A snapshot that matches the module (names,
+        shapes, dtypes, device) becomes its weights without a copy (the caller does not write it afterwards)."""
         if self._colocated:
             raise RuntimeError("load_weights needs a non-colocated engine (a colocated one reads the live weights)")
-        with torch.no_grad():
-            self.model.load_state_dict(state)
+        if not refit_manifest.adopt_into_module(self.model, state):  # the snapshot is this engine's from now on
+            with torch.no_grad():
+                self.model.load_state_dict(state)
         self._loads += 1
         self._synced_version = int(version)
 

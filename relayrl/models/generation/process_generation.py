@@ -13,10 +13,11 @@ generator as an in-process engine, so it produces the same tokens (tested agains
 raises hands back the error, which this side re-raises with the child's one-line reason; a child that dies is
 reported with its exit code.
 
-A refit goes through one shared-memory copy of the weights made at start (`_Staging`): this side copies the snapshot
-into it, the child copies it into its engine. Sending the snapshot itself would move every tensor into a fresh
-shared-memory segment on each refit (allocate, fault in, copy, map in the child, unmap): more than twice the staged
-wall time and several times its CPU in the trainer's process, growing with the model (`bench/process_refit.py`).
+A refit goes through one shared-memory copy of the weights made at start (`_Staging`, a tied tensor once): this side
+copies the snapshot into it, and the child's engine reads it in place (`HfGeneration.load_weights` adopts it).
+Sending the snapshot itself would move every tensor into a fresh shared-memory segment on each refit (allocate,
+fault in, copy, map in the child, unmap): more than twice the staged wall time and several times its CPU in the
+trainer's process, growing with the model (`bench/process_refit.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.multiprocessing as torch_mp
 from torch import nn
 
 from relayrl.config import GenerationConfig
+from relayrl.distributed import refit_manifest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from relayrl.utils import deadlines
@@ -56,7 +58,11 @@ class _Staging:
     snapshot into it, the child reads it, one request at a time (never both at once)."""
 
     def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = {name: torch.empty_like(t, device="cpu").share_memory_() for name, t in state.items()}
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in refit_manifest.unique_tensors(state.items()):  # a tied tensor: one staged copy, both names
+            self.tensors[name] = (
+                self.tensors[t] if isinstance(t, str) else torch.empty_like(t, device="cpu").share_memory_()
+            )
 
     def fits(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Whether `state` has exactly the staged names, shapes and dtypes (else it is sent as it is)."""
@@ -65,9 +71,12 @@ class _Staging:
         )
 
     def write(self, state: Mapping[str, torch.Tensor]) -> None:
+        written: set[int] = set()
         with torch.no_grad():
             for name, t in state.items():
-                self.tensors[name].copy_(t)
+                if id(self.tensors[name]) not in written:  # a tied tensor once
+                    self.tensors[name].copy_(t)
+                    written.add(id(self.tensors[name]))
 
 
 def _serve(conn: multiprocessing.connection.Connection, init: dict[str, Any]) -> None:

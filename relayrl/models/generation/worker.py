@@ -6,8 +6,8 @@ over it, and receives the trained weights after every optimizer step, by one of 
 
 * colocated: from the training rank with the same local rank on the same node (the executor places the worker
   there and names the node in RELAYRL_NODE_ID), over ZMQ IPC (`update_weights_via_ipc_zmq`);
-* not colocated: as rank `train_world_size + i` of a weight-update group whose rank 0 is the first training rank
-  (`init_collective`, then `update_weights_from_collective`).
+* not colocated: as rank `1 + i` of a weight-update group whose rank 0 is the first training rank, the only
+  sender (`init_collective`, then `update_weights_from_collective`).
 
 Received tensors are copied into the worker's module in place; the engine reads that module directly (no second
 copy), and its `weights_version` is set by the driver after each refit so a stale engine refuses to generate.
@@ -142,7 +142,7 @@ class GenerationWorker:
         missing = [n for n in state_dict_info if n not in live]
         if missing:
             raise ValueError(f"refit manifest names {len(missing)} tensors this model lacks, e.g. {missing[0]!r}")
-        self._refit_info = {n: (tuple(shape), dtype) for n, (shape, dtype) in state_dict_info.items()}
+        self._refit_info = {n: e if isinstance(e, str) else (tuple(e[0]), e[1]) for n, e in state_dict_info.items()}
         return True
 
     def _manifest(self) -> refit.RefitInfo:
@@ -151,7 +151,7 @@ class GenerationWorker:
         return self._refit_info
 
     def _manifest_bytes(self) -> int:
-        return sum(refit._nbytes(shape, dtype) for shape, dtype in self._manifest().values())
+        return refit.wire_bytes(self._manifest())  # a tied tensor travels once
 
     def update_weights_via_ipc_zmq(self) -> dict[str, float]:
         """Receive one refit from the training rank of this node and local rank; returns bytes and seconds."""
@@ -165,14 +165,16 @@ class GenerationWorker:
         return {"bytes": float(self._manifest_bytes()), "seconds": time.perf_counter() - start}
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
-        """Join the weight-update group as rank train_world_size + (this worker's rank)."""
+        """Join the weight-update group (reference numbering: rank train_world_size + this worker's rank of
+        `world_size`) as rank 1 + this worker's rank of the generation workers and training rank 0."""
         rank = train_world_size + self.rank
         if not 0 < train_world_size <= rank < world_size:
             raise ValueError(
                 f"init_collective: generation worker {self.rank} would be rank {rank}, outside "
                 f"[{train_world_size}, {world_size})"
             )
-        self._weight_group = refit.WeightUpdateGroup(ip, port, rank, world_size)
+        world = refit.collective_world(world_size, train_world_size)
+        self._weight_group = refit.WeightUpdateGroup(ip, port, 1 + self.rank, world)
         return True
 
     def update_weights_from_collective(self) -> dict[str, float]:

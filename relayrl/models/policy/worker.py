@@ -88,7 +88,7 @@ class PolicyWorker(ModelWorker):
     ) -> None:
         self._init_reference_model = init_reference_model
         self.reference_model: PreTrainedModel | None = None
-        self._weight_group: refit.WeightUpdateGroup | None = None  # joined by init_collective
+        self._weight_group: refit.TrainerRefit | None = None  # joined by init_collective
         self.peft_model: Any = None  # policy.lora: the peft wrapper of `self.model` (adapters injected in place)
         self._merged_source: lora.MergedGenerationSource | None = None
         super().__init__(config, tokenizer, **options)
@@ -432,7 +432,7 @@ class PolicyWorker(ModelWorker):
     # ------------------------------------------------------------------ refit to separate generation workers
     def prepare_refit_info(self) -> refit.RefitInfo:
         dtype = dev.precision_dtype(self.cfg.precision)  # streamed tensors are cast to the policy precision
-        return {name: (tuple(t.shape), dtype) for name, t in self._generation_tensors(merge=False)}
+        return refit.refit_info(self._generation_tensors(merge=False), dtype)  # tied tensors marked: sent once
 
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None) -> bool:
         """Stream this rank's weights (policy precision) to the generation worker on the same device."""
@@ -445,25 +445,16 @@ class PolicyWorker(ModelWorker):
         return True
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
-        """Join the weight-update group: training ranks 0..train_world_size-1, generation workers after them."""
-        if not 0 <= self.rank < train_world_size < world_size:
-            raise ValueError(
-                f"init_collective: training rank {self.rank} needs 0 <= rank < train_world_size={train_world_size} "
-                f"< world_size={world_size}"
-            )
-        self._weight_group = refit.WeightUpdateGroup(ip, port, self.rank, world_size)
+        """Join the weight-update group: rank 0 as its source; other ranks hold the same weights and stay out."""
+        self._weight_group = refit.TrainerRefit(ip, port, world_size, train_world_size=train_world_size, rank=self.rank)
         return True
 
     def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
-        """Rank 0 broadcasts its weights (and KV scales); the other training ranks take part and drop them."""
-        group = self._weight_group
-        if group is None:
+        """Rank 0 broadcasts its weights (and KV scales) to the generation workers; other ranks do nothing."""
+        if self._weight_group is None:
             raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
-        if self.rank == 0:
-            dtype = dev.precision_dtype(self.cfg.precision)
-            group.send_weights(self._generation_tensors(), dtype=dtype, kv_scales=kv_scales)
-        else:  # a data-parallel replica already holds these weights
-            group.receive_weights(self.prepare_refit_info(), None)
+        dtype = dev.precision_dtype(self.cfg.precision)
+        self._weight_group.broadcast(self._generation_tensors(), dtype=dtype, kv_scales=kv_scales)
         return True
 
     def shutdown(self) -> bool:

@@ -16,7 +16,9 @@ from relayrl.algorithms.loss_functions import NLLLossFn
 from relayrl.config import PolicyConfig
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.refit import (
+    TrainerRefit,
     WeightUpdateGroup,
+    collective_world,
     ipc_address,
     load_into_module,
     receive_weights_via_ipc_zmq,
@@ -78,22 +80,31 @@ def assert_bit_identical(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         assert torch.equal(tensor, theirs[name]), name
 
 
-@pytest.mark.parametrize("buffer_size", [4096, 64 << 20])  # many buckets (+ oversize tensors alone) / one bucket
-def test_zmq_ipc_refit_is_bit_identical(trained, tmp_path, buffer_size: int) -> None:
+@pytest.mark.parametrize(
+    ("buffer_size", "handles"), [(4096, True), (64 << 20, False)]
+)  # many buckets (+ oversize tensors alone through the socket) in shared memory / one bucket through the socket
+def test_zmq_ipc_refit_is_bit_identical_and_sends_tied_weights_once(
+    trained, tmp_path, buffer_size: int, handles: bool
+) -> None:
     worker, cfg = trained
     dst = receiver_model(cfg)
     assert any(not torch.equal(v, dst.state_dict()[k]) for k, v in worker.model.state_dict().items())
     info = worker.prepare_refit_info()
     streamed = list(worker.model.state_dict().items())
     assert info == refit_info(streamed, torch.float32)  # the manifest describes exactly the streamed tensors
+    assert info["lm_head.weight"] == "model.embed_tokens.weight"  # tied: marked, sent once
     address = ipc_address(f"cpu-{uuid.uuid4().hex[:6]}", str(tmp_path))
     t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, info, load_into_module(dst), timeout_ms=30_000))
-    stats = stream_weights_via_ipc_zmq(streamed, address, buffer_size, dtype=torch.float32, timeout_ms=30_000)
+    stats = stream_weights_via_ipc_zmq(
+        streamed, address, buffer_size, dtype=torch.float32, timeout_ms=30_000, handles=handles
+    )
     t.join(30)
     assert got == {"value": True}
     assert_bit_identical(worker.model, dst)
-    total = sum(v.numel() * 4 for v in worker.model.state_dict().values())
-    assert stats["bytes"] >= total
+    assert dst.lm_head.weight.data_ptr() == dst.model.embed_tokens.weight.data_ptr()  # still tied
+    unique = sum(v.numel() * 4 for k, v in streamed if k != "lm_head.weight")  # bytes on the wire: the tie once
+    assert unique <= stats["bytes"] < unique + 512 * len(streamed) < unique + streamed[0][1].numel() * 4
+    assert stats["transport"] == ("shm" if handles else "socket")
     assert (stats["buckets"] > len(streamed) // 2) if buffer_size == 4096 else (stats["buckets"] == 1)
 
 
@@ -125,33 +136,36 @@ def test_zmq_ipc_casts_to_the_manifest_dtype_and_reports_failures(tmp_path) -> N
         stream_weights_via_ipc_zmq(tensors, address, 100)
 
 
-def test_collective_refit_to_replica_and_generation_worker(trained) -> None:
+def test_collective_refit_is_one_broadcast_from_rank0_to_generation_workers(trained) -> None:
+    """Reference numbering (training ranks 0 and 1, one generation worker: world 3); the broadcast group is training
+    rank 0 and the worker only: rank 1 joins nothing and receives nothing. The tied embedding travels once."""
     worker, cfg = trained
     dst = receiver_model(cfg)
     info = worker.prepare_refit_info()
-    port, world = free_port(), 3  # rank 0: training source, rank 1: training replica, rank 2: generation
+    port = free_port()
     kv = {"model.layers.0.self_attn.k_scale": 0.0123, "model.layers.0.self_attn.v_scale": 1 / 3}
+    replica = TrainerRefit("127.0.0.1", port, 3, train_world_size=2, rank=1)
+    assert replica.group is None and replica.broadcast(worker.model.state_dict().items(), kv_scales=kv) is None
 
     def rank(r: int) -> Any:
-        group = WeightUpdateGroup("127.0.0.1", port, r, world, timeout_s=60)
-        out = []
-        for bucket_bytes, scales in ((50_000, kv), (1 << 30, None)):  # two refits reuse the group
-            if r == 0:
-                out.append(
-                    group.send_weights(worker.model.state_dict().items(), bucket_bytes=bucket_bytes, kv_scales=scales)
-                )
-            else:
-                out.append(group.receive_weights(info, load_into_module(dst) if r == 2 else None))
-        return out
+        if r == 0:
+            source = TrainerRefit("127.0.0.1", port, 3, train_world_size=2, rank=0)
+            assert source.group is not None and source.group.world_size == collective_world(3, 2) == 2
+            first = source.group.send_weights(worker.model.state_dict().items(), bucket_bytes=50_000, kv_scales=kv)
+            return [first, source.broadcast(worker.model.state_dict().items())]  # two refits reuse the group
+        group = WeightUpdateGroup("127.0.0.1", port, 1, collective_world(3, 2), timeout_s=60)
+        return [group.receive_weights(info, load_into_module(dst)) for _ in range(2)]
 
-    threads = [in_thread(lambda r=r: rank(r)) for r in range(world)]
-    for t, _ in threads:
-        t.join(120)
-    (_, src), (_, replica), (_, gen) = threads
-    assert "error" not in src and "error" not in replica and "error" not in gen, (src, replica, gen)
+    (t0, src), (t1, gen) = in_thread(lambda: rank(0)), in_thread(lambda: rank(1))
+    t0.join(120)
+    t1.join(120)
+    assert "error" not in src and "error" not in gen, (src, gen)
     assert src["value"][0]["buckets"] > 1 and src["value"][1]["buckets"] == 1
-    assert replica["value"] == gen["value"] == [kv, None]  # KV scales arrive exactly (JSON float round trip)
+    assert gen["value"] == [kv, None]  # KV scales arrive exactly (JSON float round trip)
     assert_bit_identical(worker.model, dst)
+    tied = worker.model.lm_head.weight.numel() * 4
+    everything = sum(v.numel() * 4 for v in worker.model.state_dict().values())
+    assert src["value"][1]["bytes"] == everything - tied  # the tied embedding once
 
 
 def test_collective_detects_a_mismatched_manifest_without_hanging() -> None:
@@ -199,3 +213,88 @@ def test_a_refit_peer_that_never_answers_ends_with_one_line(tmp_path: Path, monk
         f"refit over ZMQ IPC {address} (0 of 2 tensors in): the training rank's next bucket did not finish within "
         "0.2s (cluster.collective_timeout_s)"
     )
+
+
+def test_shared_memory_refit_generates_what_the_socket_refit_does(trained, char_tokenizer, tmp_path, caplog) -> None:
+    """Issue 27 item 4 on the CPU: the colocated refit by shared-memory handles (the receiver reads the sender's
+    buffers in place) gives bit-identical generation to the socket copy; a receiver that cannot map the handles
+    (their files gone) gets the socket copy, and the choice is logged once."""
+    from relayrl.config import ColocatedConfig, GenerationConfig
+    from relayrl.distributed import refit_handles
+    from relayrl.models.generation.hf_generation import HfGeneration
+
+    worker, cfg = trained
+    streamed = list(worker.model.state_dict().items())
+    info = worker.prepare_refit_info()
+    prompts = BatchedDataDict(
+        input_ids=torch.randint(2, len(char_tokenizer), (3, 6)), input_lengths=torch.tensor([6, 4, 5])
+    )
+    gen_cfg = GenerationConfig(max_new_tokens=8, colocated=ColocatedConfig(enabled=True))
+
+    class Source:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model, self.weights_version = model, 0
+
+    def refit(handles: bool, address: str) -> tuple[dict[str, Any], Any]:
+        dst = receiver_model(cfg)
+        t, got = in_thread(lambda: receive_weights_via_ipc_zmq(address, info, load_into_module(dst), timeout_ms=30_000))
+        stats = stream_weights_via_ipc_zmq(streamed, address, 1 << 16, timeout_ms=30_000, handles=handles)
+        t.join(30)
+        assert got == {"value": True}
+        assert_bit_identical(worker.model, dst)
+        return stats, HfGeneration(gen_cfg, char_tokenizer, Source(dst), seed=5).generate(prompts)
+
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    (shm, by_shm), (_, again) = refit(True, address), refit(True, address)  # buffers made once, refilled in place
+    socket_stats, by_socket = refit(False, ipc_address(uuid.uuid4().hex[:6], str(tmp_path)))
+    assert shm["transport"] == "shm" and socket_stats["transport"] == "socket" and shm["bytes"] == socket_stats["bytes"]
+    for out in (again, by_socket):
+        assert torch.equal(out["output_ids"], by_shm["output_ids"]) and torch.equal(out["logprobs"], by_shm["logprobs"])
+    buffers = refit_handles.sender_buffers(address, torch.device("cpu"), 1 << 15)
+    assert buffers is not None and buffers.kind == "shm" and buffers.mapped
+    assert not any(Path(p).exists() for p in buffers.paths)  # mapped, then unlinked: nothing left in /dev/shm
+    # a receiver that cannot map the handles: the socket copy, logged once
+    gone = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    lost = refit_handles.sender_buffers(gone, torch.device("cpu"), 1 << 15)
+    assert lost is not None
+    for path in lost.paths:
+        Path(path).unlink()
+    with caplog.at_level("INFO", logger="relayrl.distributed.refit_handles"):
+        fallback, by_fallback = refit(True, gone)
+        refit(True, gone)
+    assert fallback["transport"] == "socket" and torch.equal(by_fallback["output_ids"], by_shm["output_ids"])
+    lines = [r.getMessage() for r in caplog.records if gone in r.getMessage()]
+    assert len(lines) == 1 and "socket copy (the generation worker cannot map shm handles" in lines[0]
+
+
+def _cuda_receiver(address: str, info: dict[str, Any], out: Any) -> None:
+    got: dict[str, torch.Tensor] = {}
+    ok = receive_weights_via_ipc_zmq(
+        address, info, lambda batch: got.update({n: t.cpu().clone() for n, t in batch}), timeout_ms=120_000
+    )
+    out.put((ok, got))
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_refit_across_processes(tmp_path: Path) -> None:
+    """On a GPU the colocated refit hands a receiver in another process CUDA IPC handles to the sender's buffers: the
+    tensors arrive exactly, a tied one once, one larger than a half buffer through the socket."""
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(64, 32, generator=g).cuda()
+    tensors = [
+        ("emb", emb),
+        ("w", torch.randn(300_000, generator=g).cuda()),
+        ("b", torch.randn(7).cuda()),
+        ("head", emb),
+    ]
+    info = refit_info(tensors)
+    address = ipc_address(uuid.uuid4().hex[:6], str(tmp_path))
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_cuda_receiver, args=(address, info, out))
+    child.start()
+    stats = stream_weights_via_ipc_zmq(tensors, address, 1 << 20, timeout_ms=120_000)
+    ok, got = out.get(timeout=180)
+    child.join(60)
+    assert ok and stats["transport"] == "cuda_ipc" and stats["buckets"] == 3  # emb | w alone | b
+    assert all(torch.equal(got[n], t.cpu()) for n, t in tensors)

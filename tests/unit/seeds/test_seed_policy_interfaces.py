@@ -110,8 +110,9 @@ def _free_port() -> int:
 
 
 def test_refit_calls_return_one_handle_per_worker(tiny_model_dir: Path, char_tokenizer: Any) -> None:
-    """Two in-process training ranks and this thread as generation rank 2 of the weight-update group: each refit
-    call returns at once with one handle per training rank; `result()` is that rank's own result."""
+    """Two in-process training ranks and this thread as the generation worker (reference rank 2 of 3): each refit
+    call returns at once with one handle per training rank; `result()` is that rank's own result. The broadcast
+    group is training rank 0 and the worker: rank 1 is no member and receives nothing."""
     cfg = PolicyConfig(model_name=str(tiny_model_dir))
     policy = Policy(cfg, char_tokenizer, cluster=ClusterConfig(workers_per_node=2, device="cpu"))
     try:
@@ -119,9 +120,10 @@ def test_refit_calls_return_one_handle_per_worker(tiny_model_dir: Path, char_tok
         assert info is not None
         port = _free_port()
         joined = policy.init_collective("127.0.0.1", port, 3, train_world_size=2)
-        group = refit.WeightUpdateGroup("127.0.0.1", port, 2, 3, timeout_s=120)
+        group = refit.WeightUpdateGroup("127.0.0.1", port, 1, 2, timeout_s=120)  # with training rank 0 only
         assert [type(h) for h in joined] == [WorkerCall, WorkerCall] and [h.rank for h in joined] == [0, 1]
         assert [h.result(timeout=120) for h in joined] == [True, True]
+        assert [policy._group.worker(r)._weight_group.group is None for r in (0, 1)] == [False, True]
 
         receiver = load_causal_lm(cfg)
         with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from relayrl.config import ColocatedConfig, GenerationConfig
+from relayrl.distributed import refit_manifest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.models.fast.support import fast_path_unsupported
 from relayrl.models.generation.hf_generation import HfGeneration
@@ -324,6 +325,37 @@ def test_non_colocated_copy_refits_only_on_prepare(char_tokenizer) -> None:
     reference = _engine(char_tokenizer, policy, max_new_tokens=8, stop_token_ids=[]).generate(batch, greedy=True)
     assert torch.equal(after["output_ids"], reference["output_ids"])
     assert not torch.equal(after["output_ids"], before["output_ids"])
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_snapshot_refit_reads_the_snapshot_without_a_copy(char_tokenizer, precision: str) -> None:
+    """Issue 27 item 4 in one process: async GRPO's producer engine (thread or process) takes a published snapshot as
+    its weights (the snapshot's storage, no copy) and generates exactly what an engine reading the policy in place
+    does; a bf16 engine decodes from its bf16 compute copy of it. The snapshot copies the tied embedding once; a
+    snapshot that does not match the module (another dtype) is copied instead."""
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    policy = _sharpen(build_tiny_qwen2(len(char_tokenizer), **sizes), seed=5)
+    cfg = GenerationConfig(max_new_tokens=8, stop_token_ids=[], colocated=ColocatedConfig(enabled=False))
+    pin = Source(policy)  # the version the producer's engine generates as
+    engine = HfGeneration(cfg, char_tokenizer, pin, precision=precision)
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(-1.0)  # a training step: the engine's copy is stale
+    snap = refit_manifest.snapshot(policy.state_dict().items())
+    assert snap["lm_head.weight"] is snap["model.embed_tokens.weight"]  # tied: one copy
+    engine.load_weights(snap, 1)
+    pin.weights_version = 1
+    ptrs = {name: t.data_ptr() for name, t in snap.items()}
+    assert {name: t.data_ptr() for name, t in engine.model.state_dict().items()} == ptrs  # read in place
+    batch = _batch(char_tokenizer, PROMPTS[:3])
+    out = engine.generate(batch, greedy=True)
+    colocated = GenerationConfig(max_new_tokens=8, stop_token_ids=[])
+    ref = HfGeneration(colocated, char_tokenizer, Source(policy), precision=precision).generate(batch, greedy=True)
+    assert torch.equal(out["output_ids"], ref["output_ids"]) and torch.equal(out["logprobs"], ref["logprobs"])
+    if engine.compute_weights is not None:  # bf16: its compute copy, made from the snapshot
+        copies = engine.compute_weights.copies().values()
+        assert copies and all(c.dtype == torch.bfloat16 and c.data_ptr() not in ptrs.values() for c in copies)
+    engine.load_weights({k: v.double() for k, v in snap.items()}, 2)  # no match: copied into the module
+    assert {name: t.data_ptr() for name, t in engine.model.state_dict().items()} == ptrs
 
 
 def test_prepare_and_finish_restore_train_mode_and_shutdown(char_tokenizer, qwen2) -> None:

@@ -87,6 +87,7 @@ def test_refits_go_through_one_staging_copy(engines, char_tokenizer):
     local, remote, model = engines
     batch = _batch(char_tokenizer, PROMPTS)
     staged = {k: t.data_ptr() for k, t in remote._staging.tensors.items()}
+    assert staged["lm_head.weight"] == staged["model.embed_tokens.weight"]  # tied: staged once
     for version, scale in ((1, 1.5), (2, 0.5)):
         snapshot = {k: v.detach().clone() * scale for k, v in model.state_dict().items()}
         local.load_weights(snapshot, version)
