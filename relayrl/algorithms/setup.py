@@ -109,7 +109,7 @@ def start_ray_for_run(cfg: MasterConfig) -> None:
     c, dp = cfg.cluster, cfg.data_plane
     if c.executor != "ray" and not (dp.enabled and dp.backend != "memory"):
         return
-    from relayrl.distributed.ray_executor import ensure_ray
+    from relayrl.distributed.ray_placement import ensure_ray
 
     if c.executor != "ray":
         actors = dp.num_storage_units + 1 if dp.backend == "transfer_queue" else 1
@@ -141,7 +141,7 @@ def check_cluster_storage(cfg: MasterConfig, run_dir: Path) -> MasterConfig:
 
 def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedWeights, seed: int) -> Generation:
     """The generation engine: in-process over the policy's live weights (local executor), or Ray generation
-    workers kept in sync by refit (Ray executor; they call the policy's refit methods, which no Protocol names)."""
+    workers kept in sync by refit (Ray executor; they call the policy's refit methods, `RefitSource`)."""
     if cfg.cluster.executor == "ray":
         from relayrl.models.generation.distributed import DistributedGeneration
 
