@@ -7,6 +7,7 @@ of the components (`components.py`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from collections.abc import Callable
@@ -406,8 +407,11 @@ def run_training(
         print(run_banner(cfg, run_dir), flush=True)
     try:
         train_components(cfg, c)
-    finally:
-        c.close()
+    except BaseException:
+        with contextlib.suppress(Exception):  # after a failure clean-up is best effort: the first error is reported
+            c.close()
+        raise
+    c.close()
     return summarize_run(run_dir)
 
 

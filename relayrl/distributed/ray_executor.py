@@ -1,17 +1,20 @@
 """The Ray executor: one Ray actor per data-parallel rank, behind the same `WorkerGroup` API as the local one.
 
 Layout: the ranks' placement group (`ray_placement`: a bundle per rank, or per node on distinct nodes) reserves the
-resources up front, so a group either starts whole or fails with a clear message. Each actor hosts exactly one worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`);
-the collective is a `TorchDistCollective` (gloo on CPU, nccl on CUDA) rendezvousing through the env vars the
-group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and RELAYRL_NODE_ID, the Ray node
-id). A group given `node_ids` has no placement group: rank r is pinned to node `node_ids[r]` (colocated generation
-workers next to their training ranks).
+resources up front, so a group either starts whole or fails with a clear message. Each actor hosts exactly one
+worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`); the collective is a `TorchDistCollective` (gloo on CPU,
+nccl on CUDA) rendezvousing through the env vars the group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK,
+MASTER_ADDR, MASTER_PORT, and RELAYRL_NODE_ID, the Ray node id). A group given `node_ids` has no placement group:
+rank r is pinned to node `node_ids[r]` (colocated generation workers next to their training ranks).
 
 Failure model: a rank whose process dies (OOM kill, `ray.kill`, node loss) makes every call fail within seconds
-with `WorkerDiedError("rank r died ...")`; the survivors are usually blocked inside a collective waiting for the
-dead peer, so the whole group is torn down (a data-parallel group cannot continue without a rank). A Python error
-on one rank is re-raised as is; if the other ranks do not finish within `error_grace_s` they are stuck in a
-collective and the group is torn down too.
+with `WorkerDiedError("rank r (..., node id ...) died ...")`; the survivors are usually blocked inside a collective
+waiting for the dead peer, so the whole group is torn down (a data-parallel group cannot continue without a rank).
+A Python error on one rank is re-raised as is, unless it says a collective peer is gone (gloo's "Connection closed
+by peer") and a rank of this driver's groups died or sat on a node Ray reports dead: then it is that rank's
+`WorkerDiedError`. If the other ranks do not finish within `error_grace_s` they are stuck in a collective and the
+group is torn down too. A group shut down while a call still runs on it is killed, not drained: its teardown
+would queue behind that call (a refit stream whose sender died).
 """
 
 from __future__ import annotations
