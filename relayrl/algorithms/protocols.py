@@ -22,7 +22,7 @@ from relayrl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.environments.interfaces import EnvironmentInterface
 from relayrl.experience.flight_recorder import RecordRequest
-from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
+from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec, RefitSource
 from relayrl.utils.timer import Timer
 
 if TYPE_CHECKING:
@@ -148,10 +148,11 @@ class Resumable(Protocol):
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None: ...
 
 
-class ColocatedWeights(Protocol):
-    """What `setup` reads from the policy to build an in-process generation engine (local executor) over its live
-    weights: rank 0's model (`Any`: a torch module, or its LoRA-merged view), the device it runs on, and the digests
-    refit verification compares the engine's weights with (`policy.generation.refit_verify`)."""
+class ColocatedWeights(RefitSource, Protocol):
+    """What `setup` reads from the policy to build a generation engine: in-process over its live weights (local
+    executor): rank 0's model (`Any`: a torch module, or its LoRA-merged view), the device it runs on, and the digests
+    refit verification compares the engine's weights with (`policy.generation.refit_verify`); on Ray generation
+    workers refitted from it (`RefitSource`)."""
 
     @property
     def generation_source(self) -> Any: ...

@@ -7,6 +7,7 @@ of the components (`components.py`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from collections.abc import Callable
@@ -109,7 +110,7 @@ def start_ray_for_run(cfg: MasterConfig) -> None:
     c, dp = cfg.cluster, cfg.data_plane
     if c.executor != "ray" and not (dp.enabled and dp.backend != "memory"):
         return
-    from relayrl.distributed.ray_executor import ensure_ray
+    from relayrl.distributed.ray_placement import ensure_ray
 
     if c.executor != "ray":
         actors = dp.num_storage_units + 1 if dp.backend == "transfer_queue" else 1
@@ -141,7 +142,7 @@ def check_cluster_storage(cfg: MasterConfig, run_dir: Path) -> MasterConfig:
 
 def build_generation(cfg: MasterConfig, tokenizer: Tokenizer, policy: ColocatedWeights, seed: int) -> Generation:
     """The generation engine: in-process over the policy's live weights (local executor), or Ray generation
-    workers kept in sync by refit (Ray executor; they call the policy's refit methods, which no Protocol names)."""
+    workers kept in sync by refit (Ray executor; they call the policy's refit methods, `RefitSource`)."""
     if cfg.cluster.executor == "ray":
         from relayrl.models.generation.distributed import DistributedGeneration
 
@@ -406,8 +407,11 @@ def run_training(
         print(run_banner(cfg, run_dir), flush=True)
     try:
         train_components(cfg, c)
-    finally:
-        c.close()
+    except BaseException:
+        with contextlib.suppress(Exception):  # after a failure clean-up is best effort: the first error is reported
+            c.close()
+        raise
+    c.close()
     return summarize_run(run_dir)
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
 from relayrl.utils.deadlines import DeadlineError
+
+# A rank's error that says a peer of its collective is gone (gloo, sockets, NCCL).
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited")
 
 
 class WorkerDiedError(RuntimeError):
@@ -17,3 +23,34 @@ class RemoteTimeoutError(DeadlineError):
 class ActorLostError(RuntimeError):
     """A Ray actor of the run (the rollout actor, the asynchronous producer) died; the message names it and the call
     that found out. The run cannot continue; it resumes from its last checkpoint."""
+
+
+def says_peer_lost(failure: BaseException) -> bool:
+    """Whether a rank's error says a peer of its collective is gone (a lost node is worth looking for)."""
+    return _PEER_LOST.search(str(failure)) is not None
+
+
+def node_loss_error(
+    failure: BaseException,
+    failed: str,
+    what: str,
+    placements: Iterable[tuple[str, Sequence[str]]],
+    dead: Mapping[str, str],
+) -> WorkerDiedError | None:
+    """A rank's peer-lost error (`failed`: "<group> rank r", during call `what`) as the one line of the node loss
+    behind it: the first rank of `placements` ((group label, node id of each rank)) on a node of `dead` ({node id:
+    address}); None when the error says no peer is gone or no rank ran on a dead node."""
+    cause = _PEER_LOST.search(str(failure))
+    if cause is None:
+        return None
+    for label, node_ids in placements:
+        for rank, node_id in enumerate(node_ids):
+            if node_id in dead:
+                where = f"{label}, node {dead[node_id]}, node id {node_id[:12]}"
+                lost = WorkerDiedError(
+                    f"rank {rank} ({where}) died with its Ray node: {failed} lost its peer during {what!r} "
+                    f"({cause.group(0)})"
+                )
+                lost.__cause__ = failure
+                return lost
+    return None

@@ -56,6 +56,11 @@ class WorkerGroup(Protocol[W_co]):
     @property
     def world_size(self) -> int: ...
 
+    @property
+    def node_ids(self) -> Sequence[str] | None:
+        """The Ray node of each worker in rank order (where a colocated generation worker must run); None when the
+        workers are not placed on nodes (in-process)."""
+
     def run_all(self, method: Callable[Concatenate[W_co, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call `worker.method(*args, **kwargs)` on every worker; results in rank order."""
 

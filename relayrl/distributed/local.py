@@ -152,6 +152,11 @@ class LocalWorkerGroup(Generic[W]):
     def world_size(self) -> int:
         return len(self._comms)
 
+    @property
+    def node_ids(self) -> None:
+        """In-process workers are not placed on nodes."""
+        return None
+
     def run_all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         return self._parallel(
             [self._bound(w, method, *args, **kwargs) for w in self._live_workers()], method_name(method)

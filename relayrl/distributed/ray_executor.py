@@ -1,43 +1,50 @@
 """The Ray executor: one Ray actor per data-parallel rank, behind the same `WorkerGroup` API as the local one.
 
-Layout: a placement group with one bundle per rank (`{"CPU": cpus_per_worker, "GPU": gpus_per_worker}`, PACK)
-reserves the resources up front, so a group either starts whole or fails with a clear message instead of leaving
-half its ranks waiting. Each actor hosts exactly one worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`);
-the collective is a `TorchDistCollective` (gloo on CPU, nccl on CUDA) rendezvousing through the env vars the
-group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and RELAYRL_NODE_ID, the Ray node
-id). A group given `node_ids` has no placement group: rank r is pinned to node `node_ids[r]` (colocated generation
-workers next to their training ranks).
+Layout: the ranks' placement group (`ray_placement`: a bundle per rank, or per node on distinct nodes) reserves the
+resources up front, so a group either starts whole or fails with a clear message. Each actor hosts exactly one
+worker (`worker_cls(rank=r, comm=<collective>, **kwargs)`); the collective is a `TorchDistCollective` (gloo on CPU,
+nccl on CUDA) rendezvousing through the env vars the group sets (RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK,
+MASTER_ADDR, MASTER_PORT, and RELAYRL_NODE_ID, the Ray node id). A group given `node_ids` has no placement group:
+rank r is pinned to node `node_ids[r]` (colocated generation workers next to their training ranks).
 
 Failure model: a rank whose process dies (OOM kill, `ray.kill`, node loss) makes every call fail within seconds
-with `WorkerDiedError("rank r died ...")`; the survivors are usually blocked inside a collective waiting for the
-dead peer, so the whole group is torn down (a data-parallel group cannot continue without a rank). A Python error
-on one rank is re-raised as is; if the other ranks do not finish within `error_grace_s` they are stuck in a
-collective and the group is torn down too.
+with `WorkerDiedError("rank r (..., node id ...) died ...")`; the survivors are usually blocked inside a collective
+waiting for the dead peer, so the whole group is torn down (a data-parallel group cannot continue without a rank).
+A Python error on one rank is re-raised as is, unless it says a collective peer is gone (gloo's "Connection closed
+by peer") and a rank of this driver's groups died or sat on a node Ray reports dead: then it is that rank's
+`WorkerDiedError`. If the other ranks do not finish within `error_grace_s` they are stuck in a collective and the
+group is torn down too. A group shut down while a call still runs on it is killed, not drained: its teardown
+would queue behind that call (a refit stream whose sender died).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import secrets
 import socket
 import sys
 import time
-import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from relayrl.config import ClusterConfig
-from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError
+from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError, node_loss_error, says_peer_lost
 from relayrl.distributed.interfaces import method_name
-from relayrl.distributed.ray_nodes import NODE_ID_ENV, on_node
+from relayrl.distributed.ray_nodes import NODE_ID_ENV
+from relayrl.distributed.ray_placement import (
+    check_cluster_fits,
+    ensure_ray,
+    node_and_local_rank,
+    rank_bundle,
+    rank_strategy,
+    reserve,
+)
 from relayrl.distributed.refit import private_ipc_dir
 
 W = TypeVar("W")
@@ -45,64 +52,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 S = TypeVar("S")
 
+#: How long a peer's loss may take to show as a dead Ray node (Ray's health checks: 3 s period, 5 misses).
+PEER_LOSS_WAIT_S = 30.0
+
 # Driver env vars forwarded to every rank (a joined cluster's workers do not inherit the driver's environment).
 _FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "RELAYRL_", "CUBLAS_", "NCCL_", "GLOO_", "TORCH_")
-
-
-def ensure_ray(cluster: ClusterConfig) -> bool:
-    """Join a cluster or start a local Ray sized for the group; True if this call initialised Ray.
-
-    A Ray that is already initialised is used as it is. `cluster.ray_address`, else the `RAY_ADDRESS` environment
-    variable (what `ray job submit` sets for a job's driver), is joined as it is: its size is the cluster's, so no
-    CPU count is passed, and it uses whatever authentication it asks for. Without either, a new local Ray is always
-    started (`address="local"`), even where `ray start` left one running: max(4, ranks x cpus_per_worker) logical
-    CPUs (Ray only uses them for placement), no dashboard, token authentication on (see `_token_for_local_ray`).
-    """
-    if ray.is_initialized():
-        return False
-    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-        return True
-    _token_for_local_ray()
-    needed = cluster.num_nodes * cluster.workers_per_node * cluster.cpus_per_worker
-    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its "token authentication is enabled" notice, on every run
-    try:
-        ray.init(address="local", num_cpus=max(4, needed), include_dashboard=False)
-    finally:
-        quiet.setLevel(level)
-    return True
-
-
-def _token_for_local_ray() -> None:
-    """Keep Ray's token authentication on for the local cluster relayrl starts (its GCS listens on the node's
-    address: without a token anyone who can reach the port could run code as this user).
-
-    Ray turns it on by default for a new local cluster, but would write the token to ~/.ray/auth_token; a fresh
-    random token for this run in RAY_AUTH_TOKEN (inherited by Ray's processes, which read it before any file)
-    keeps the home directory untouched. An explicit RAY_AUTH_MODE (e.g. `disabled`) or a token the user gave
-    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) is respected.
-    """
-    if "RAY_AUTH_MODE" in os.environ or "RAY_AUTH_TOKEN" in os.environ or "RAY_AUTH_TOKEN_PATH" in os.environ:
-        return
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def _check_nodes_fit(num_nodes: int, node_bundle: dict[str, float]) -> None:
-    """cluster.num_nodes > 1 places one bundle per node on distinct nodes: say so at once when the cluster has fewer
-    nodes that can hold one, instead of waiting for a placement group that can never be ready."""
-    fit = [
-        n
-        for n in ray.nodes()
-        if n.get("Alive") and all(n.get("Resources", {}).get(res, 0.0) >= amount for res, amount in node_bundle.items())
-    ]
-    if len(fit) < num_nodes:
-        raise ValueError(
-            f"cluster.num_nodes={num_nodes} places {node_bundle} on each of {num_nodes} distinct nodes, but the Ray "
-            f"cluster has {len(fit)} node(s) with that much: lower cluster.num_nodes or join a larger cluster"
-        )
 
 
 def death_site(exc: BaseException) -> str:
@@ -265,6 +219,7 @@ class RayWorkerGroup(Generic[W]):
         self._closed = False
         self._actors: list[Any] = []
         self._pg: PlacementGroup | None = None
+        self._in_flight: dict[Any, int] = {}  # {ref: rank} of calls started on the ranks and not collected yet
         self.pids: list[int] = []  # one process per rank, in rank order
         self.node_ids: list[str] = []  # the Ray node of each rank, in rank order
         self._pinned = list(node_ids) if node_ids is not None else None
@@ -277,44 +232,36 @@ class RayWorkerGroup(Generic[W]):
         except BaseException:
             self._teardown(graceful=False)
             raise
+        _GROUPS.add(self)
 
     # ------------------------------------------------------------------ start-up
     def _start(self, worker_cls: Any, cluster: ClusterConfig, timeout: float, init_kwargs: dict[str, Any]) -> None:
-        bundle: dict[str, float] = {"CPU": float(cluster.cpus_per_worker)}
-        if cluster.gpus_per_worker > 0:
-            bundle["GPU"] = float(cluster.gpus_per_worker)
-        total = ray.cluster_resources()
-        for res, amount in bundle.items():
-            if total.get(res, 0.0) < amount * self._world:
-                raise ValueError(
-                    f"cluster: {self._world} workers x {amount:g} {res} need {amount * self._world:g} {res} but the "
-                    f"Ray cluster has {total.get(res, 0.0):g} in total"
-                )
-        # one node: a bundle per rank, packed; several: a bundle per node (its workers_per_node ranks) on distinct
-        # nodes, so that num_nodes means nodes and NODE_RANK/LOCAL_RANK follow from the placement; `node_ids`:
-        # rank r on node node_ids[r] (colocated generation, next to its training rank), no placement group
-        per_node = cluster.num_nodes > 1
-        wpn = cluster.workers_per_node
-        if self._pinned is not None:
-            self._start_actors(cluster, None, per_node)
-        else:
-            self._reserve(bundle, cluster, timeout, per_node)
-            self._start_actors(cluster, self._pg, per_node)
+        check_cluster_fits(rank_bundle(cluster), self._world)
+        if self._pinned is None:  # `node_ids`: rank r on node node_ids[r], no placement group
+            self._pg = reserve(cluster, self._name, timeout, self._start_key)
+            self.placement_group_id = self._pg.id.hex()
+        private_ipc_dir()  # this run's refit sockets: the directory's path travels to every rank in the env
+        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
+        actor_cls = ray.remote(_RankHost)
+        for r in range(self._world):
+            self._actors.append(
+                actor_cls.options(
+                    num_cpus=cluster.cpus_per_worker,
+                    num_gpus=cluster.gpus_per_worker,
+                    max_restarts=0,
+                    scheduling_strategy=rank_strategy(r, cluster, self._pg, self._pinned),
+                ).remote(r, self._world, {**env, "RANK": str(r), "WORLD_SIZE": str(self._world)})
+            )
         infos = self._gather(
             [(r, a.node_info.remote()) for r, a in enumerate(self._actors)], "start-up", timeout, self._start_key
         )
         self.pids = [int(i["pid"]) for i in infos]
         self.node_ids = [str(i["node_id"]) for i in infos]
-        nodes = list(dict.fromkeys(self.node_ids))  # node order of first appearance
-        seen: dict[str, int] = {}
         payload = ray.put(cloudpickle.dumps((worker_cls, init_kwargs)))
+        settings = (cluster.torch_num_threads, cluster.deterministic, cluster.retain_freed_memory)
         refs = []
         for r, (actor, info) in enumerate(zip(self._actors, infos)):
-            local_rank = seen.get(info["node_id"], 0)
-            seen[info["node_id"]] = local_rank + 1
-            node_rank = nodes.index(info["node_id"])
-            if per_node:  # from the placement: bundle r // workers_per_node is node r // workers_per_node
-                local_rank, node_rank = r % wpn, r // wpn
+            node_rank, local_rank = node_and_local_rank(r, cluster, self.node_ids)
             rank_env = {
                 "LOCAL_RANK": str(local_rank),
                 "NODE_RANK": str(node_rank),
@@ -322,51 +269,8 @@ class RayWorkerGroup(Generic[W]):
                 "MASTER_ADDR": str(infos[0]["ip"]),
                 "MASTER_PORT": str(infos[0]["port"]),
             }
-            settings = (cluster.torch_num_threads, cluster.deterministic, cluster.retain_freed_memory)
             refs.append((r, actor.setup.remote(rank_env, payload, *settings)))
         self._gather(refs, "worker construction", timeout, self._start_key)
-
-    def _reserve(self, bundle: dict[str, float], cluster: ClusterConfig, timeout: float, per_node: bool) -> None:
-        """The placement group of the ranks: a bundle per rank (PACK), or per node on distinct nodes."""
-        wpn = cluster.workers_per_node
-        if per_node:
-            node_bundle = {res: amount * wpn for res, amount in bundle.items()}
-            _check_nodes_fit(cluster.num_nodes, node_bundle)
-            bundles, strategy = [dict(node_bundle) for _ in range(cluster.num_nodes)], "STRICT_SPREAD"
-        else:
-            bundles, strategy = [dict(bundle) for _ in range(self._world)], "PACK"
-        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._name}-pg-{uuid.uuid4().hex[:8]}")
-        self.placement_group_id = self._pg.id.hex()
-        try:
-            ray.get(self._pg.ready(), timeout=timeout)
-        except GetTimeoutError as exc:
-            raise RemoteTimeoutError(
-                f"placement group of {self._world} x {bundle} not ready after {timeout:g}s ({self._start_key}); Ray has "
-                f"{ray.available_resources()} available (other groups or actors may hold them)"
-            ) from exc
-
-    def _start_actors(self, cluster: ClusterConfig, pg: PlacementGroup | None, per_node: bool) -> None:
-        """One actor per rank, in its placement group bundle, or pinned to its node (`node_ids`)."""
-        wpn = cluster.workers_per_node
-        private_ipc_dir()  # this run's refit sockets: the directory's path travels to every rank in the env
-        env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV_PREFIXES)}
-        actor_cls = ray.remote(_RankHost)
-        for r in range(self._world):
-            if self._pinned is not None:
-                strategy: Any = on_node(self._pinned[r])
-            elif pg is not None:
-                index = r // wpn if per_node else r
-                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-            else:
-                raise RuntimeError("a Ray worker group needs node_ids or a placement group")
-            self._actors.append(
-                actor_cls.options(
-                    num_cpus=cluster.cpus_per_worker,
-                    num_gpus=cluster.gpus_per_worker,
-                    max_restarts=0,
-                    scheduling_strategy=strategy,
-                ).remote(r, self._world, {**env, "RANK": str(r), "WORLD_SIZE": str(self._world)})
-            )
 
     # ------------------------------------------------------------------ WorkerGroup protocol
     @property
@@ -382,7 +286,7 @@ class RayWorkerGroup(Generic[W]):
         name = method_name(method)
         actors = self._live_actors()
         common = ray.put((args, kwargs))  # serialised once, not once per rank
-        refs = [(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)]
+        refs = self._started([(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)])
         return self._gather(refs, name, self._call_timeout_s, self._call_key)
 
     def run_sharded(
@@ -393,7 +297,9 @@ class RayWorkerGroup(Generic[W]):
         if len(shards) != len(actors):
             raise ValueError(f"run_sharded got {len(shards)} shards for {len(actors)} workers")
         common = ray.put((args, kwargs))
-        refs = [(r, a.call_sharded.remote(name, s, common)) for r, (a, s) in enumerate(zip(actors, shards))]
+        refs = self._started(
+            [(r, a.call_sharded.remote(name, s, common)) for r, (a, s) in enumerate(zip(actors, shards))]
+        )
         return self._gather(refs, name, self._call_timeout_s, self._call_key)
 
     def run_all_async(
@@ -403,13 +309,15 @@ class RayWorkerGroup(Generic[W]):
         name = method_name(method)
         actors = self._live_actors()
         common = ray.put((args, kwargs))
-        return PendingCall(self, [(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)], name)
+        return PendingCall(
+            self, self._started([(r, a.call_common.remote(name, common)) for r, a in enumerate(actors)]), name
+        )
 
     def run_rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         name = method_name(method)
         actor = self._live_actors()[0]
         result: R = self._gather(
-            [(0, actor.call.remote(name, args, kwargs))], name, self._call_timeout_s, self._call_key
+            self._started([(0, actor.call.remote(name, args, kwargs))]), name, self._call_timeout_s, self._call_key
         )[0]
         return result
 
@@ -433,46 +341,78 @@ class RayWorkerGroup(Generic[W]):
             raise RuntimeError("this worker group has been shut down (or lost a rank)")
         return self._actors
 
+    def _started(self, refs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        self._in_flight.update((ref, r) for r, ref in refs)
+        return refs
+
     def _gather(self, refs: list[tuple[int, Any]], what: str, timeout: float | None, key: str = "") -> list[Any]:
         """Results in rank order; a dead rank or a stuck group ends the wait in bounded time (`timeout`, the config
         `key` it comes from named in the error)."""
         pending = {ref: r for r, ref in refs}
         results: dict[int, Any] = {}
         failure: BaseException | None = None
+        failed_rank = -1
         start = time.monotonic()
         give_up = start + timeout if timeout is not None else None
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self._poll_s)
             for ref in ready:
                 rank = pending.pop(ref)
+                self._in_flight.pop(ref, None)
                 try:
                     results[rank] = ray.get(ref)
                 except RayActorError as exc:
                     self._teardown(graceful=False)
                     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    where = f"{self._label}, {death_site(exc)}"
+                    node = f", node id {self.node_ids[rank][:12]}" if rank < len(self.node_ids) else ""
+                    where = f"{self._label}, {death_site(exc)}{node}"
                     raise WorkerDiedError(f"rank {rank} ({where}) died during {what!r}: {reason}") from exc
                 except Exception as exc:  # noqa: BLE001 - a Python error on that rank, re-raised below
                     if failure is None:
-                        failure = exc
+                        failure, failed_rank = exc, rank
                         give_up = min(give_up or float("inf"), time.monotonic() + self._error_grace_s)
+            if pending and failure is not None and says_peer_lost(failure):  # the others may wait for that peer
+                lost = _peer_loss(failure, self._label, failed_rank, what)
+                if lost is not None:
+                    self._teardown(graceful=False)
+                    raise lost
             if pending and give_up is not None and time.monotonic() > give_up:
                 ranks = sorted(pending.values())
                 self._teardown(graceful=False)
                 if failure is not None:  # the others wait in a collective for the rank that failed
-                    raise failure
+                    raise _explained(failure, self._label, failed_rank, what)
                 raise RemoteTimeoutError(
                     f"{self._label} ranks {ranks} did not finish {what!r} within {timeout:g}s ({key}); group torn down"
                 )
         if failure is not None:
-            raise failure
+            raise _explained(failure, self._label, failed_rank, what)
         return [results[r] for r in sorted(results)]
+
+    def _dead_rank(self) -> str | None:
+        """A rank of this group found dead by a call still in flight on it (another group's collective peer), named
+        as a WorkerDiedError names it; None if none."""
+        done = (
+            ray.wait(list(self._in_flight), num_returns=len(self._in_flight), timeout=0)[0] if self._in_flight else []
+        )
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                rank = self._in_flight[ref]
+                node = f", node id {self.node_ids[rank][:12]}" if rank < len(self.node_ids) else ""
+                return f"rank {rank} ({self._label}, {death_site(exc)}{node}) died"
+            except Exception:  # noqa: BLE001, S112 - a Python error of that rank: not a death
+                continue
+        return None
 
     def _teardown(self, graceful: bool) -> None:
         """Stop every actor and free the placement group (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        if graceful and self._in_flight:  # a call still runs (its caller gave up): a teardown would queue behind it
+            graceful = not ray.wait(list(self._in_flight), num_returns=len(self._in_flight), timeout=0)[1]
+        self._in_flight.clear()
         try:
             if graceful and self._actors:
                 ray.wait([a.teardown.remote() for a in self._actors], num_returns=len(self._actors), timeout=30)
@@ -489,3 +429,36 @@ class RayWorkerGroup(Generic[W]):
                 except Exception:  # noqa: BLE001, S110 - already removed
                     pass
                 self._pg = None
+
+
+_GROUPS: weakref.WeakSet[RayWorkerGroup[Any]] = weakref.WeakSet()  # this driver's groups: where a lost node is sought
+
+
+def _peer_loss(failure: BaseException, label: str, rank: int, what: str) -> WorkerDiedError | None:
+    """The one line of a peer-lost error of `label` rank `rank`: a rank of this driver's groups found dead by a call
+    in flight on it, or placed on a node Ray reports dead; None when neither is known (yet)."""
+    for group in list(_GROUPS):
+        found = group._dead_rank() if not group._closed else None
+        if found is not None:
+            died = WorkerDiedError(f"{found}: {label} rank {rank} lost its peer during {what!r}")
+            died.__cause__ = failure
+            return died
+    dead = {n["NodeID"]: str(n.get("NodeManagerAddress", "?")) for n in ray.nodes() if not n.get("Alive")}
+    placements = [(group._label, group.node_ids) for group in list(_GROUPS)]
+    return node_loss_error(failure, f"{label} rank {rank}", what, placements, dead)
+
+
+def _explained(failure: BaseException, label: str, rank: int, what: str) -> BaseException:
+    """A rank's error as the one line of the loss behind it when it says a peer is gone (a rank of this group, or of
+    another group of this driver sharing the collective, that died or whose node died); else the error itself.
+
+    Ray may take a while to call a node dead (`PEER_LOSS_WAIT_S`); an error that names no lost peer is not
+    delayed."""
+    if not says_peer_lost(failure):
+        return failure
+    give_up = time.monotonic() + PEER_LOSS_WAIT_S
+    while (lost := _peer_loss(failure, label, rank, what)) is None:
+        if time.monotonic() > give_up:
+            return failure
+        time.sleep(0.5)
+    return lost

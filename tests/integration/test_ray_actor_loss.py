@@ -3,7 +3,7 @@
 The data-plane store and the rollout actor are SIGKILLed (their processes, as the OOM killer or a lost node would)
 as step 2 starts. The run must end with exit 1 and one line naming what died and the command that resumes, never
 Ray's traceback, and the clean-up that then fails on the dead actor must not replace that line. The killed-rank
-case is tests/integration/test_ray_kill_resume.py.
+case (a lost node) is tests/integration/test_ray_multinode.py.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_a_dead_actor_ends_the_run_with_one_line(
     assert len(lines) == 1 and named in lines[0], lines
     assert lines[0].endswith(f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint")
     # nothing lost: step 1's checkpoint is complete, the resume point (resuming after a lost Ray process is
-    # tests/integration/test_ray_kill_resume.py's)
+    # tests/integration/test_ray_multinode.py's)
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
     assert (run_dir / "checkpoints" / "step_1" / "policy" / "weights" / "model.safetensors").is_file()
     assert sorted(metrics_by_step(run_dir, ("train/",))) == [1]

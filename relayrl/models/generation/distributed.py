@@ -28,7 +28,12 @@ from relayrl.distributed import refit_digest
 from relayrl.distributed.batched_data_dict import BatchedDataDict
 from relayrl.distributed.executor import build_worker_group_on_nodes, run_all_async
 from relayrl.distributed.interfaces import WorkerGroup
-from relayrl.models.generation.interfaces import GenerationDatumSpec, GenerationInterface, GenerationOutputSpec
+from relayrl.models.generation.interfaces import (
+    GenerationDatumSpec,
+    GenerationInterface,
+    GenerationOutputSpec,
+    RefitSource,
+)
 from relayrl.models.generation.outputs import assemble_output, empty_generation, generation_limits
 from relayrl.models.generation.worker import GenerationWorker
 from relayrl.utils import device as dev
@@ -68,7 +73,7 @@ class DistributedGeneration(GenerationInterface):
         self,
         config: GenerationConfig,
         tokenizer: Any,
-        policy: Any,
+        policy: RefitSource,
         *,
         cluster: ClusterConfig,
         policy_config: PolicyConfig,
@@ -86,7 +91,7 @@ class DistributedGeneration(GenerationInterface):
         self.max_total_sequence_length = max_total_sequence_length
         self.colocated = config.colocated.enabled
         self.refit_buffer_bytes = refit_buffer_bytes
-        self._policy = policy
+        self._policy: RefitSource | None = policy  # None on a copy (snapshot_copy, a remote copy): no refit source
         self._refit_dtype = dev.precision_dtype(policy_config.precision)  # what the collective sends
         self._holder: list[DistributedGeneration | None] = [None]  # the engine whose weights the workers hold
         self._snapshot_refit = False  # True on a `snapshot_copy`: refitted by load_weights only
@@ -102,7 +107,7 @@ class DistributedGeneration(GenerationInterface):
         self._group: WorkerGroup[GenerationWorker] = build_worker_group_on_nodes(
             GenerationWorker,
             gen_cluster,
-            _training_nodes(policy) if self.colocated else None,  # colocated: each worker on its training rank's node
+            policy.worker_group.node_ids if self.colocated else None,  # colocated: each worker on its rank's node
             policy_config=policy_config.model_copy(update={"generation": config}),
             tokenizer=tokenizer,
             device=cluster.device,
@@ -114,18 +119,21 @@ class DistributedGeneration(GenerationInterface):
                 raise ValueError(
                     f"colocated generation needs one worker per policy rank: {self._group.world_size} vs {train_world}"
                 )
-            self._group.run_all(GenerationWorker.prepare_refit_info, policy.prepare_refit_info())
+            manifest = policy.prepare_refit_info()
+            if manifest is None:
+                raise ValueError(f"{type(policy).__name__} describes no weights to refit generation workers from")
+            self._group.run_all(GenerationWorker.prepare_refit_info, manifest)
             if not self.colocated:
-                self._join_weight_group(train_world)
+                self._join_weight_group(policy, train_world)
         except BaseException:
             self._group.shutdown()
             raise
 
-    def _join_weight_group(self, train_world: int) -> None:
+    def _join_weight_group(self, policy: RefitSource, train_world: int) -> None:
         """Training ranks 0..T-1 and generation workers T.. in one group, rendezvousing at training rank 0."""
-        ip, port = _rank0_endpoint(self._policy)
+        ip, port = _rank0_endpoint(policy)
         world = train_world + self._group.world_size
-        training = self._policy.init_collective(ip, port, world, train_world_size=train_world)  # one per rank
+        training = policy.init_collective(ip, port, world, train_world_size=train_world)  # one per rank
         joined = run_all_async(
             self._group, GenerationWorker.init_collective, ip, port, world, train_world_size=train_world
         )
@@ -222,23 +230,31 @@ class DistributedGeneration(GenerationInterface):
         if mode == "off":
             return
         actuals = self.worker_digests()
-        expected = self._policy.refit_digests(sorted(actuals[0]))
+        expected = self._source().refit_digests(sorted(actuals[0]))
         expected.update(refit_digest.scale_digests(self._kv_scales))
         refit_digest.check(expected, actuals, mode=mode, where="generation", version=version, how=how)
 
+    def _source(self) -> RefitSource:
+        if self._policy is None:
+            raise RuntimeError(
+                "a copy of a generation engine (snapshot_copy, a remote copy) has no policy to refit from"
+            )
+        return self._policy
+
     def _refit(self) -> None:
         start = time.perf_counter()
+        policy = self._source()
         if self.colocated:
-            self._policy.offload_before_refit()
+            policy.offload_before_refit()
             receiving = run_all_async(self._group, GenerationWorker.update_weights_via_ipc_zmq)
-            for handle in self._policy.stream_weights_via_ipc_zmq(self.refit_buffer_bytes):  # one per rank
+            for handle in policy.stream_weights_via_ipc_zmq(self.refit_buffer_bytes):  # one per rank
                 handle.result()
             received = receiving.result()
-            self._policy.offload_after_refit()
+            policy.offload_after_refit()
             if self._kv_scales_pending:  # the IPC stream carries weights only
                 self._group.run_all(GenerationWorker.set_kv_scales, self._kv_scales)
         else:  # the KV scales (None unless set) travel with the broadcast
-            sending = self._policy.broadcast_weights_for_collective(self._kv_scales)  # one handle per training rank
+            sending = policy.broadcast_weights_for_collective(self._kv_scales)  # one handle per training rank
             receiving = run_all_async(self._group, GenerationWorker.update_weights_from_collective)
             for handle in sending:
                 handle.result()
@@ -355,20 +371,14 @@ def _merge(parts: list[BatchedDataDict], total_width: int, pad_id: int) -> Batch
     return merged
 
 
-def _training_nodes(policy: Any) -> list[str] | None:
-    """The Ray node of every training rank (None: the policy's ranks are not Ray actors)."""
-    nodes = getattr(getattr(policy, "worker_group", None), "node_ids", None)
-    return list(nodes) if nodes else None
-
-
-def _rank0_endpoint(policy: Any) -> tuple[str, int]:
+def _rank0_endpoint(policy: RefitSource) -> tuple[str, int]:
     """Where training rank 0 can host the weight-update group's store: its node's IP and a port free there."""
-    group = getattr(policy, "_group", None)
+    group = policy.worker_group
     actor = getattr(group, "actor", None)
     if callable(actor):  # Ray: ask the actor hosting rank 0 (it may run on another node than the driver)
         from relayrl.distributed.ray_executor import get_within
 
-        timeout_s: float = group.call_timeout_s  # type: ignore[union-attr]  # a RayWorkerGroup here
+        timeout_s: float = group.call_timeout_s  # type: ignore[attr-defined]  # a RayWorkerGroup here
         info = get_within(actor(0).node_info.remote(), timeout_s, "training rank 0's address", "cluster.call_timeout_s")
         return str(info["ip"]), int(info["port"])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict
 
 import torch
 
 if TYPE_CHECKING:
     from relayrl.distributed.batched_data_dict import BatchedDataDict
+    from relayrl.distributed.interfaces import WorkerGroup
 
 
 class GenerationDatumSpec(TypedDict):
@@ -70,3 +71,24 @@ class GenerationInterface(ABC):
 
     def update_weights_from_collective(self) -> list[Any]:
         raise NotImplementedError(f"{type(self).__name__} does not receive refits over a collective")
+
+
+class RefitSource(Protocol):
+    """The policy a `DistributedGeneration` follows: its ranks (how many, on which nodes), its weights version, and
+    the calls that hand its weights to the generation workers (each returns one waitable handle per rank)."""
+
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def worker_group(self) -> WorkerGroup[Any]: ...
+    @property
+    def weights_version(self) -> int: ...
+    def prepare_refit_info(self) -> dict[str, Any] | None: ...
+    def refit_digests(self, keys: list[str]) -> dict[str, tuple[str, int, int]]: ...
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]: ...
+    def offload_before_refit(self) -> None: ...
+    def offload_after_refit(self) -> None: ...
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int, kv_scales: dict[str, float] | None = None
+    ) -> list[Any]: ...
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> list[Any]: ...

@@ -141,7 +141,8 @@ def test_killed_rank_is_named_within_bounded_time(ray_cluster: None, how: str) -
         timer = threading.Timer(killer_delay, kill)
         timer.start()
         with pytest.raises(
-            WorkerDiedError, match=r"^rank 1 \(ToyWorker, (pid \d+, node [\d.]+|\w+)\) died during 'sleep_then_total'"
+            WorkerDiedError,
+            match=r"^rank 1 \(ToyWorker, (pid \d+, node [\d.]+|\w+), node id [0-9a-f]{12}\) died during 'sleep_then_total'",
         ):
             group.run_all(ToyWorker.sleep_then_total, 6.0)  # rank 0 ends up blocked in the all-reduce
         timer.join()

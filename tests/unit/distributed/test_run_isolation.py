@@ -55,7 +55,7 @@ _START = """
 import os, sys
 import ray
 from relayrl.config import ClusterConfig
-from relayrl.distributed.ray_executor import ensure_ray
+from relayrl.distributed.ray_placement import ensure_ray
 assert ensure_ray(ClusterConfig(executor="ray"))
 print(ray.get_runtime_context().gcs_address, os.environ["RAY_AUTH_TOKEN"], flush=True)
 sys.stdin.read()
@@ -66,7 +66,7 @@ _JOIN = "import ray, sys; ray.init(address=sys.argv[1]); print('joined')"
 _JOIN_RELAYRL = """
 import ray
 from relayrl.config import ClusterConfig
-from relayrl.distributed.ray_executor import ensure_ray
+from relayrl.distributed.ray_placement import ensure_ray
 assert ensure_ray(ClusterConfig(executor="ray", workers_per_node=8))
 print("joined", ray.get_runtime_context().gcs_address, ray.cluster_resources()["CPU"])
 """
