@@ -3,7 +3,7 @@
 Why: a refit that skips a tensor, an engine that keeps a stale copy, LoRA adapters never merged into the engine's
 weights or a lossy cast on the way each leave generation sampling from other weights than the trainer's, while the
 run looks healthy: the only symptom is a slowly growing generation-vs-training log-prob error. Each side digests its
-tensors where they live (two integer reductions over the raw bits, on the tensor's device), so a check moves a few
+tensors where they live (two integer reductions over the raw bits read as 64-bit words, on the tensor's device), so a check moves a few
 bytes per tensor, never the weights, and equality is exact: a single flipped bit, a swapped pair or a value rounded
 through a narrower dtype changes the digest.
 
@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-#: (dtype name, sum of the bit patterns, position-weighted sum of them), both modulo 2**64.
+#: (dtype name, sum of the tensor's 64-bit words, position-weighted sum of them), both modulo 2**64.
 Digest = tuple[str, int, int]
 Digests = dict[str, Digest]
 Mode = Literal["enforce", "log", "off"]
@@ -51,21 +51,30 @@ def _position_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes as int64 words [ceil(bytes / 8)], zero-padded at the end: a view where the bytes
+    allow it (no conversion of each element to int64: a float32 tensor is read as half as many words)."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)  # [bytes]
+    pad = -raw.numel() % 8
+    if pad or raw.storage_offset() % 8:  # a ragged tail or a misaligned slice of a larger buffer: one copy
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return raw.view(torch.int64)
+
+
 @torch.no_grad()
 def _reduce(t: torch.Tensor) -> torch.Tensor:
-    """[2] int64 on the tensor's device: the plain and the position-weighted sum of its bit patterns (wrapping, so
-    modulo 2**64 whatever the order of the additions)."""
+    """[2] int64 on the tensor's device: the plain and the position-weighted sum of its bits read as 64-bit words
+    (wrapping, so modulo 2**64 whatever the order of the additions)."""
     full = getattr(t, "full_tensor", None)
     if callable(full):  # a sharded DTensor: the whole tensor (a collective, so every rank must call it)
         t = full()
-    flat = t.detach().contiguous().view(-1)  # [N]
-    bits = flat.view(_INT_VIEWS[flat.element_size()]) if flat.numel() else flat.to(torch.int64)  # [N]
-    out = torch.zeros(2, dtype=torch.int64, device=bits.device)  # [2]
-    w = _position_weights(bits.device)
-    for index, start in enumerate(range(0, bits.numel(), _CHUNK)):
-        part = bits[start : start + _CHUNK].to(torch.int64)  # [<=CHUNK]
+    words = _words(t)  # [W]
+    out = torch.zeros(2, dtype=torch.int64, device=words.device)  # [2]
+    w = _position_weights(words.device)
+    for index, start in enumerate(range(0, words.numel(), _CHUNK)):
+        part = words[start : start + _CHUNK]  # [<=CHUNK]
         out[0] += part.sum()
-        out[1] += (part * w[: part.numel()]).sum() * (index + 1)
+        out[1] += torch.dot(part, w[: part.numel()]) * (index + 1)
     return out
 
 

@@ -18,9 +18,9 @@ def test_equal_values_equal_digests_and_any_change_moves_one():
     one_ulp = a.clone()
     one_ulp[50, 3] = torch.nextafter(a[50, 3], torch.tensor(float("inf")))
     assert rd.tensor_digest(one_ulp) != rd.tensor_digest(a)
-    swapped = a.clone()
-    swapped[0, 0], swapped[0, 1] = a[0, 1], a[0, 0]
-    assert rd.tensor_digest(swapped)[1] == rd.tensor_digest(a)[1]  # the plain sum cannot see a swap ...
+    swapped = a.clone()  # float32 elements 0 and 2 lie in two different 64-bit words
+    swapped[0, 0], swapped[0, 2] = a[0, 2], a[0, 0]
+    assert rd.tensor_digest(swapped)[1] == rd.tensor_digest(a)[1]  # the plain sum cannot see a swap of words ...
     assert rd.tensor_digest(swapped) != rd.tensor_digest(a)  # ... the position-weighted one does
     assert rd.tensor_digest(a.t().contiguous()) != rd.tensor_digest(a)  # a transposed copy is another tensor
 
@@ -34,12 +34,24 @@ def test_a_lossy_cast_and_the_dtype_are_seen():
 
 
 def test_chunks_are_position_weighted_too():
-    n = rd._CHUNK + 1000  # two chunks
-    a = torch.arange(n, dtype=torch.int32)  # [N]
+    n = rd._CHUNK + 1000  # two chunks of 64-bit words
+    a = torch.arange(n, dtype=torch.int64)  # [N]: one word each
     b = a.clone()
     b[5], b[rd._CHUNK + 5] = a[rd._CHUNK + 5], a[5]  # the same weight inside each chunk: only the chunk index differs
     assert rd.tensor_digest(b) != rd.tensor_digest(a)
     assert rd.digest_all([("a", a), ("e", torch.zeros(0))]) == {"a": rd.tensor_digest(a), "e": ("float32", 0, 0)}
+
+
+def test_a_tensor_is_read_as_64_bit_words_whatever_its_length_or_offset():
+    """Words are views of the raw bytes (no per-element conversion); a ragged tail is zero-padded and a slice that
+    starts off a word boundary is copied first, so its digest is its values', not its position's in the buffer."""
+    a = torch.arange(7, dtype=torch.int16)  # 14 bytes: one word and a padded one
+    assert rd._words(a).tolist() == [0x0003_0002_0001_0000, 0x0000_0006_0005_0004]
+    buffer = torch.randn(1001)  # [N]
+    inside = buffer[1:1000]  # a view 4 bytes into its storage
+    assert inside.storage_offset() == 1 and rd.tensor_digest(inside) == rd.tensor_digest(inside.clone())
+    aligned = buffer[2:1000]
+    assert rd._words(aligned).data_ptr() == aligned.data_ptr()  # on a word boundary: read in place
 
 
 def test_expected_digests_cast_where_the_key_names_a_dtype():
