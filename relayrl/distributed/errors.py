@@ -54,3 +54,18 @@ def node_loss_error(
                 lost.__cause__ = failure
                 return lost
     return None
+
+
+def unnamed_peer_loss(failure: BaseException, failed: str, what: str, waited_s: float) -> WorkerDiedError | None:
+    """A rank's peer-lost error when no lost rank or node could be named within `waited_s`: still one line (which
+    rank saw it, during which call, the transport's words), not the transport's traceback; None when the error says
+    no peer is gone."""
+    cause = _PEER_LOST.search(str(failure))
+    if cause is None:
+        return None
+    lost = WorkerDiedError(
+        f"{failed} lost its peer during {what!r} ({cause.group(0)}): a rank, or the node of one, died and Ray "
+        f"named neither within {waited_s:g}s"
+    )
+    lost.__cause__ = failure
+    return lost

@@ -34,7 +34,13 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from relayrl.config import ClusterConfig
-from relayrl.distributed.errors import RemoteTimeoutError, WorkerDiedError, node_loss_error, says_peer_lost
+from relayrl.distributed.errors import (
+    RemoteTimeoutError,
+    WorkerDiedError,
+    node_loss_error,
+    says_peer_lost,
+    unnamed_peer_loss,
+)
 from relayrl.distributed.interfaces import method_name
 from relayrl.distributed.ray_nodes import NODE_ID_ENV
 from relayrl.distributed.ray_placement import (
@@ -458,7 +464,7 @@ def _explained(failure: BaseException, label: str, rank: int, what: str) -> Base
         return failure
     give_up = time.monotonic() + PEER_LOSS_WAIT_S
     while (lost := _peer_loss(failure, label, rank, what)) is None:
-        if time.monotonic() > give_up:
-            return failure
+        if time.monotonic() > give_up:  # one line all the same, never the transport's traceback
+            return unnamed_peer_loss(failure, f"rank {rank} ({label})", what, PEER_LOSS_WAIT_S) or failure
         time.sleep(0.5)
     return lost
