@@ -1,6 +1,7 @@
 """Dedicated generation on a node of its own, and that node lost mid-run (issue 30 items 4 and 6), on a simulated
 three-node cluster (`ray.cluster_utils.Cluster`, a CPU-less head and three 1-CPU nodes: two training ranks, one
-generation worker). Until step 2 is checkpointed the run trains across the three nodes; then the generation
+generation worker). Until step 2 is checkpointed the run trains across the three nodes, logging what one node's
+run (the local executor, same world size) logs, bit for bit; then the generation
 worker's node is removed: the training ranks' refit broadcast loses its peer, and the run ends within seconds with
 one line naming the lost generation worker and its node, and the command that resumes; nothing of Ray's or gloo's
 traceback.
@@ -18,6 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from relayrl.cli.main import main
+from tests.helpers import metrics_by_step
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -81,6 +85,13 @@ def test_a_lost_generation_node_ends_the_run_in_one_line(tmp_path: Path, monkeyp
             proc.communicate()
         ray.shutdown()
         cluster.shutdown()
+    # the steps trained across three nodes are one node's: the local executor's run of 2 ranks (same schedule)
+    one_node = [o for o in OVERRIDES if not o.startswith(("cluster.", "policy.generation.colocated"))]
+    local = tmp_path / "one_node"
+    assert main(["train", "--run-dir", str(local), *one_node, "cluster.workers_per_node=2"]) == 0
+    expected, across = metrics_by_step(local, ("train/",)), metrics_by_step(run_dir, ("train/",))
+    assert sorted(expected) == [1, 2, 3, 4] and {1, 2} <= set(across)
+    assert {s: across[s] for s in (1, 2)} == {s: expected[s] for s in (1, 2)}
     assert proc.returncode == 1, err[-3000:]
     assert elapsed <= LINE_DEADLINE_S, f"the run took {elapsed:.0f} s to end after the generation node was lost"
     assert "Traceback" not in err, err[-3000:]
