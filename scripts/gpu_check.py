@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides.update(dict(o.split("=", 1) for o in args.overrides))
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    shutil.rmtree(args.out / "run", ignore_errors=True)  # an earlier check's metrics must not enter the medians
     result = relayrl.train(config=str(CONFIG), run_dir=args.out / "run", overrides=overrides)
     figures = report(result.run_dir, params, peak)
     figures["device"] = name

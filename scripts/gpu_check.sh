@@ -32,7 +32,8 @@ if [ "${1:-}" = "--device" ]; then device=$2; shift 2; fi
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 site=/tmp/relayrl-gpu-site
-if compgen -G ".whl/*.whl" >/dev/null; then
+# the wheels carried from here, where the interpreter lacks what they hold (a dry run in this venv needs none)
+if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c "import pydantic, math_verify, torchdata" 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
     export PYTHONPATH="$site:${PYTHONPATH:-}"
 fi
