@@ -462,3 +462,23 @@ def tight_deadlines(monkeypatch: Any, **fields: float) -> None:
         # outlive the test (a 0.2 s collective deadline leaked into later refit tests of the same worker process)
         monkeypatch.setenv(f"RELAYRL_{kind.upper()}_TIMEOUT_S", "")  # empty: the schema's default
     deadlines.configure(ClusterConfig(**fields))
+
+
+#: A tiny GRPO run with one training rank on each of two Ray nodes, a checkpoint every step: what the simulated
+#: multi-node tests train (test_ray_multinode.py, test_ray_generation_node_loss.py); steps are the caller's.
+TWO_NODE_GRPO = (
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=8",
+    "policy.generation.max_new_tokens=12",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=false",
+    "grpo.val_period=0",
+    "checkpointing.save_period=1",
+    "logger.progress_bar=false",
+    "logger.tensorboard_enabled=false",
+    "cluster.executor=ray",
+    "cluster.num_nodes=2",
+    "cluster.workers_per_node=1",
+)

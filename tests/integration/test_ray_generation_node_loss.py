@@ -21,28 +21,15 @@ from pathlib import Path
 import pytest
 
 from relayrl.cli.main import main
-from tests.helpers import metrics_by_step
+from tests.helpers import TWO_NODE_GRPO, metrics_by_step
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 OVERRIDES = [
-    "policy.train_global_batch_size=16",
-    "policy.train_micro_batch_size=8",
-    "policy.generation.max_new_tokens=12",
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
+    *TWO_NODE_GRPO,
     "grpo.max_num_steps=4",
-    "grpo.val_at_start=false",
-    "grpo.val_at_end=false",
-    "grpo.val_period=0",
-    "checkpointing.save_period=1",
-    "logger.progress_bar=false",
-    "logger.tensorboard_enabled=false",
-    "cluster.executor=ray",
-    "cluster.num_nodes=2",
-    "cluster.workers_per_node=1",
-    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.enabled=false",  # generation on a node of its own
     "policy.generation.colocated.resources.num_nodes=1",
     "policy.generation.colocated.resources.workers_per_node=1",
 ]

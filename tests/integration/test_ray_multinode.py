@@ -26,7 +26,7 @@ import pytest
 from relayrl.cli.main import main
 from relayrl.config import ClusterConfig
 from relayrl.distributed import refit
-from tests.helpers import metrics_by_step
+from tests.helpers import TWO_NODE_GRPO, metrics_by_step
 from tests.unit.distributed.test_ray_executor import ToyWorker
 
 ray = pytest.importorskip("ray")
@@ -153,23 +153,7 @@ def test_a_node_that_cannot_see_the_run_directory_or_the_model_is_named(two_node
 
 
 STEPS = 3
-OVERRIDES = [
-    "policy.train_global_batch_size=16",
-    "policy.train_micro_batch_size=8",
-    "policy.generation.max_new_tokens=12",
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    f"grpo.max_num_steps={STEPS}",
-    "grpo.val_at_start=false",
-    "grpo.val_at_end=false",
-    "grpo.val_period=0",
-    "checkpointing.save_period=1",
-    "logger.progress_bar=false",
-    "logger.tensorboard_enabled=false",
-    "cluster.executor=ray",
-    "cluster.num_nodes=2",
-    "cluster.workers_per_node=1",
-]
+OVERRIDES = [*TWO_NODE_GRPO, f"grpo.max_num_steps={STEPS}"]
 LINE_DEADLINE_S = 20  # from the node's loss to the run's exit (a clean-up that waited on the lost node: 32 s)
 
 
