@@ -74,7 +74,10 @@ def _reduce(t: torch.Tensor) -> torch.Tensor:
     for index, start in enumerate(range(0, words.numel(), _CHUNK)):
         part = words[start : start + _CHUNK]  # [<=CHUNK]
         out[0] += part.sum()
-        out[1] += torch.dot(part, w[: part.numel()]) * (index + 1)
+        weights = w[: part.numel()]
+        # the CPU has an integer dot product (no [CHUNK] temporary); CUDA's dot is floating-point only
+        weighted = torch.dot(part, weights) if part.device.type == "cpu" else (part * weights).sum()
+        out[1] += weighted * (index + 1)
     return out
 
 

@@ -83,3 +83,10 @@ def test_check_names_the_tensor_the_worker_and_the_version(caplog: pytest.LogCap
         assert rd.check(good, [bad], mode="log", where="the engine", version=2, how="sync") == ["b"]
     assert "refit verification failed: 'b'" in caplog.text
     assert rd.check(good, [bad], mode="off", where="the engine", version=2, how="sync") == []
+
+
+def test_the_weighted_sum_is_the_same_by_dot_product_and_by_elementwise_product():
+    """The CPU's integer dot and the element-wise product a CUDA device uses wrap to the same sums."""
+    words = rd._words(torch.randn(3000, generator=torch.Generator().manual_seed(5)))  # [W]
+    w = rd._position_weights(words.device)[: words.numel()]
+    assert int(torch.dot(words, w)) == int((words * w).sum())
