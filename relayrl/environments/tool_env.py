@@ -73,6 +73,11 @@ class ServedEnvironmentError(EnvironmentClassError):
     """A served environment's server failed with `env.on_server_error=fail` (one line naming it and the row)."""
 
 
+def _first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for the one-line errors of the user's code."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or ['(no message)'])[0]}"
+
+
 @dataclass
 class _Episode:
     env: Any
@@ -212,10 +217,9 @@ class ToolEnvironment(EnvironmentInterface):
                 observations[r] = _chat([{"role": "tool", "content": f"Error: {exc}"}])
                 continue
             except Exception as exc:  # a bug in the parser, not a malformed call (those raise ValueError)
-                first = (str(exc).strip().splitlines() or ["(no message)"])[0]
                 raise EnvironmentClassError(
                     f"tool-call parser {getattr(self.parser, '__qualname__', self.parser)!r} failed on "
-                    f"{episodes[r].where}: {type(exc).__name__}: {first} (env.tool_call_parser; raise ValueError "
+                    f"{episodes[r].where}: {_first_line(exc)} (env.tool_call_parser; raise ValueError "
                     "for a malformed call)"
                 ) from exc
             if not calls:
@@ -338,9 +342,8 @@ class ToolEnvironment(EnvironmentInterface):
         try:
             return fn(**kwargs)
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or ["(no message)"])[0]
             raise EnvironmentClassError(
-                f"environment class {self.name}{what} failed on {where}: {type(exc).__name__}: {first}"
+                f"environment class {self.name}{what} failed on {where}: {_first_line(exc)}"
             ) from exc
 
     def rollout_metrics(self) -> dict[str, float]:
