@@ -5,7 +5,8 @@ per-call machinery, for generation and for the policy / reference / critic passe
   forward), and how it reads a supported model's weight tensors in place.
 - `decoder`: the KV-cache decoders behind the generation engine (`FastDecoder`, and `HfDecoder` as the fallback).
 - `forward` / `packing`: full-sequence hidden states on packed tokens (padding dropped, shared prefixes computed
-  once, only the positions a loss reads).
+  once, only the positions a loss reads); `attention`: their causal attention (a dense form for short bf16 rows on
+  the CPU, SDPA elsewhere).
 - `kernels` + `csrc/cpu_kernels.cpp`: the optional compiled CPU kernels (decode step, sampler, RMSNorm, RoPE).
 
 Imports allowed here: torch, transformers, relayrl.utils and relayrl.config only, so policy, value and generation

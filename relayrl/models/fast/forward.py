@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from relayrl.models.fast.attention import causal_attention
 from relayrl.models.fast.kernels import load_cpu_kernels, rms_norm, rope
 from relayrl.models.fast.packing import PaddedPacking, RowGroups, SharedPacking
 from relayrl.models.fast.support import (
@@ -225,7 +226,7 @@ class _Backbone:
         if self.group > 1:
             kp, vp = kp.repeat_interleave(self.group, dim=1), vp.repeat_interleave(self.group, dim=1)
         # Right padding: causality alone keeps real queries off padding keys, so no mask tensor is needed.
-        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)  # [B, Hq, S, D]
+        out = causal_attention(qp, kp, vp, self.scaling)  # [B, Hq, S, D]
         return pk.pack(out.transpose(1, 2).reshape(b, s, -1))  # [N, Hq * D]
 
     def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: RowGroups) -> torch.Tensor:
@@ -237,7 +238,7 @@ class _Backbone:
             vg = v.index_select(0, gather).view(rows, width, self.n_kv, d).transpose(1, 2)
             if self.group > 1:
                 kg, vg = kg.repeat_interleave(self.group, dim=1), vg.repeat_interleave(self.group, dim=1)
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scaling)  # [n, Hq, m, D]
+            out = causal_attention(qg, kg, vg, self.scaling)  # [n, Hq, m, D]
             outs.append(out.transpose(1, 2).reshape(rows * width, -1))  # [n*m, Hq * D]
         grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
         return grouped.index_select(0, groups.pack_index)  # [N, Hq * D]
