@@ -465,7 +465,7 @@ def tight_deadlines(monkeypatch: Any, **fields: float) -> None:
 
 
 #: A tiny GRPO run with one training rank on each of two Ray nodes, a checkpoint every step: what the simulated
-#: multi-node tests train (test_ray_multinode.py, test_ray_generation_node_loss.py); steps are the caller's.
+#: multi-node tests train (test_ray_multinode.py); steps are the caller's.
 TWO_NODE_GRPO = (
     "policy.train_global_batch_size=16",
     "policy.train_micro_batch_size=8",

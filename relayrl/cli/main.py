@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -30,6 +31,22 @@ FORCED_EXIT_S = 5.0  # after a second Ctrl-C, the longest clean-up before the pr
 def _fail(message: str) -> int:
     print(f"relayrl: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _ray_in_use() -> bool:
+    ray = sys.modules.get("ray")  # never imported here: the local path has no Ray
+    return ray is not None and bool(ray.is_initialized())
+
+
+def _run_failed(line: str, leave_ray: bool) -> int:
+    """A run that failed mid-way: its one line, exit 1. With `leave_ray` (the run itself joined or started Ray, not
+    its caller) the driver leaves Ray first, so the line is the last one printed (nothing Ray streams follows it)."""
+    if leave_ray:
+        from relayrl.distributed.errors import leave_ray_quietly
+
+        leave_ray_quietly()
+    print(f"relayrl: error: {line}", file=sys.stderr)
+    return 1
 
 
 def _resume_command(cfg: MasterConfig, run_dir: Path) -> str:
@@ -189,6 +206,7 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.utils.signals import TrainingInterrupted, exit_code, set_forced_exit_deadline
 
     resume = f"`{_resume_command(cfg, run_dir)}` resumes from the last checkpoint"
+    failed = functools.partial(_run_failed, leave_ray=not _ray_in_use())  # a caller's own Ray stays connected
     set_forced_exit_deadline(FORCED_EXIT_S, resume)  # a second Ctrl-C ends this process within seconds, whatever hangs
     try:
         options = ResumeOptions(restart=args.restart, allow_inexact=args.allow_inexact_resume)
@@ -198,11 +216,9 @@ def _train(args: argparse.Namespace) -> int:
     except RewardFunctionError as exc:  # the user's reward function: one line naming it and the row
         text = str(exc)  # raised in a Ray actor: Ray's wrapper adds the remote traceback around our line
         line = next((ln.strip() for ln in text.splitlines() if "reward function '" in ln), text.strip())
-        print(f"relayrl: error: {line[line.find('reward function') :]}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{line[line.find('reward function') :]}; {resume}")
     except EnvironmentClassError as exc:  # the user's environment class: one line naming it and the row
-        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{str(exc).strip().splitlines()[0]}; {resume}")
     except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
         print(f"relayrl: {exc}; `{_resume_command(cfg, run_dir)}` resumes", file=sys.stderr)
         return exit_code(exc.signum)
@@ -210,36 +226,27 @@ def _train(args: argparse.Namespace) -> int:
         print(f"relayrl: interrupted; {resume}", file=sys.stderr)
         return exit_code(2)
     except CheckpointWriteError as exc:  # disk full, read-only: the previous checkpoint is intact
-        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{exc}; {resume}")
     except (NonFiniteError, RefitVerificationError, LogprobErrorAlarm) as exc:  # caught in the step; one line
-        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{exc}; {resume}")
     except DeadlineError as exc:  # a blocking call past its deadline (the message names it and the key)
-        print(f"relayrl: error: {deadline_line(exc)}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{deadline_line(exc)}; {resume}")
     except CheckpointIncompleteError as exc:  # not published: the previous checkpoint is still the resume point
-        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{exc}; {resume}")
     except ChecksumMismatchError as exc:  # a data-plane row changed after its put: names key and field
-        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{str(exc).strip().splitlines()[0]}; {resume}")
     except (ActorLostError, DataPlaneClosedError) as exc:  # a Ray actor of the run died (the store, the rollouts)
-        print(f"relayrl: error: {str(exc).strip().splitlines()[0]}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{str(exc).strip().splitlines()[0]}; {resume}")
     except ProducerDiedError as exc:  # async GRPO's rollout producer raised: one line, and how to continue
-        print(f"relayrl: error: {exc}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{exc}; {resume}")
     except WorkerDiedError as exc:  # not the user's input: exit 1, and say how to continue
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # raised in an actor: + its trace
         found = [ln[ln.index("rank ") :] for ln in lines if "rank " in ln and " died" in ln]
         reason = found[-1] if found else (lines[0] if lines else type(exc).__name__)
-        print(f"relayrl: error: {reason}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"{reason}; {resume}")
     except OSError as exc:  # a run directory that became unwritable (disk full, read-only): where, and why
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"relayrl: error: cannot write {where}{exc.strerror or exc}; {resume}", file=sys.stderr)
-        return 1
+        return failed(f"cannot write {where}{exc.strerror or exc}; {resume}")
     _print_summary(summary)
     return 0
 

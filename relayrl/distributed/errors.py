@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from relayrl.utils.deadlines import DeadlineError
@@ -69,3 +71,23 @@ def unnamed_peer_loss(failure: BaseException, failed: str, what: str, waited_s: 
     )
     lost.__cause__ = failure
     return lost
+
+
+def leave_ray_quietly(timeout_s: float = 10.0) -> None:
+    """Disconnect this driver from Ray before a failed run prints its one line, so that nothing Ray streams from the
+    cluster afterwards (the raylets' own log lines about the loss, printed while the process exits) lands below it.
+    Only where this process already uses Ray (nothing is imported); bounded, as a broken cluster may not answer;
+    a failure to disconnect is ignored: the line is what matters."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+
+    def shutdown() -> None:
+        try:
+            ray.shutdown()
+        except Exception:  # noqa: BLE001 - best effort on a cluster that just lost a node
+            pass
+
+    worker = threading.Thread(target=shutdown, name="relayrl-leave-ray", daemon=True)
+    worker.start()
+    worker.join(timeout_s)

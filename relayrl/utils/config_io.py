@@ -141,8 +141,13 @@ _RESUME_SAFE_EXACT = (
     "data_plane.init_timeout_s",
     "cluster.start_timeout_s",
     "cluster.call_timeout_s",
-    "cluster.ray_address",  # where the ranks run, not what they compute: a run resumes exactly on a new cluster
+    # where the ranks and generation workers run, not what they compute: a run resumes exactly on a new cluster, with
+    # other CPU reservations, with generation colocated or on nodes of its own (the executor is not among them: it
+    # selects the data plane's default backend)
+    "cluster.ray_address",
+    "cluster.cpus_per_worker",
 )
+_RESUME_SAFE_PLACEMENT = ("policy.generation.colocated.",)
 _RESUME_SAFE_ROLLOUT = (
     "max_num_steps",
     "max_num_epochs",
@@ -185,6 +190,7 @@ def classify_resume_changes(
             restored.append(change)
         elif (
             key.startswith(_RESUME_SAFE_PREFIXES)
+            or key.startswith(_RESUME_SAFE_PLACEMENT)
             or key in _RESUME_SAFE_EXACT
             or rollout_key in _RESUME_SAFE_ROLLOUT
             or val_size

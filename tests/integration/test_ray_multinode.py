@@ -5,8 +5,9 @@ With `num_nodes > 1` each node gets one bundle of `workers_per_node` ranks, on d
 `NODE_RANK`/`LOCAL_RANK` follow from the placement. Packing per-rank bundles put both ranks of `num_nodes=2
 workers_per_node=1` on one of two 2-CPU nodes. Colocated generation workers are pinned to their training rank's
 node, the store to the driver's, and a node that cannot see the run directory or a model path is named at start-up.
-A node lost mid-step ends GRPO in one line naming its rank and node, and the run resumes exactly on a new cluster
-(the last test: it removes a node of the module's cluster).
+A node lost mid-step ends GRPO in one line naming its rank and node, and the run resumes exactly on a new cluster,
+with generation moved to a node of its own, whose loss ends the run in one line too (the last test: it removes a
+node of the module's cluster).
 """
 
 from __future__ import annotations
@@ -152,9 +153,17 @@ def test_a_node_that_cannot_see_the_run_directory_or_the_model_is_named(two_node
         two_nodes.remove_node(node)
 
 
-STEPS = 3
+STEPS = 4
 OVERRIDES = [*TWO_NODE_GRPO, f"grpo.max_num_steps={STEPS}"]
-LINE_DEADLINE_S = 20  # from the node's loss to the run's exit (a clean-up that waited on the lost node: 32 s)
+#: the resumed run's placement: generation on a node of its own (resume-safe: where generation runs is not what it
+#: computes)
+DEDICATED_GENERATION = [
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.num_nodes=1",
+    "policy.generation.colocated.resources.workers_per_node=1",
+]
+LINE_DEADLINE_S = 20  # from a training node's loss to the run's exit (a clean-up that waited on the lost node: 32 s)
+GENERATION_LINE_DEADLINE_S = 40  # a generation node: the refit broadcast finds the lost peer; Ray may take seconds
 
 
 def _saved(run_dir: Path) -> list[int]:
@@ -162,30 +171,33 @@ def _saved(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
 
 
-def _rank0_node(cluster: Any) -> Any:
-    """The node of training rank 0: bundle 0 of the run's placement group, the cluster's only one."""
+def _created_groups() -> list[dict[str, Any]]:
     from ray.util import placement_group_table
 
-    groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
-    assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_SPREAD", groups
-    return next(n for n in cluster.worker_nodes if n.node_id == groups[0]["bundles_to_node_id"][0])
+    return [g for g in placement_group_table().values() if g["state"] == "CREATED"]
 
 
-def _lose_rank0_node_after_step_1(
-    cluster: Any, proc: subprocess.Popen[str], run_dir: Path, out: dict[str, Any]
+def _lose_a_node_after_step(
+    cluster: Any, proc: subprocess.Popen[str], run_dir: Path, step: int, rank0: bool, out: dict[str, Any]
 ) -> None:
-    """Remove the node of training rank 0 as soon as step 1 is checkpointed (step 2 starts), and wait for the run."""
+    """Remove a node as soon as `step` is checkpointed, and wait for the run: training rank 0's (bundle 0 of the
+    STRICT_SPREAD placement group), or else the node no training rank is on (the dedicated generation worker's)."""
     try:
         deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints").is_dir() or not _saved(run_dir):
+        while not (run_dir / "checkpoints").is_dir() or step not in _saved(run_dir):
             if proc.poll() is not None or time.monotonic() > deadline:
                 out["unkilled"] = True  # ended or stuck before the loss: reported by the test
                 return
             time.sleep(0.1)
-        out["victim"] = _rank0_node(cluster)
+        (training,) = [g for g in _created_groups() if g["strategy"] == "STRICT_SPREAD"]
+        ranks = training["bundles_to_node_id"]
+        if rank0:
+            out["victim"] = next(n for n in cluster.worker_nodes if n.node_id == ranks[0])
+        else:
+            (out["victim"],) = [n for n in cluster.worker_nodes if n.node_id not in set(ranks.values())]
         cluster.remove_node(out["victim"])
         lost_at = time.monotonic()
-        out["err"] = proc.communicate(timeout=120)[1]
+        out["out"], out["err"] = proc.communicate(timeout=120)
         out["elapsed"] = time.monotonic() - lost_at
     finally:
         if proc.poll() is None:
@@ -193,62 +205,84 @@ def _lose_rank0_node_after_step_1(
             out["err"] = out.get("err", "") + proc.communicate()[1]
 
 
-def test_a_lost_node_ends_grpo_in_one_line_and_the_run_resumes_exactly_on_a_new_cluster(
-    two_nodes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+def _one_error_line(killed: dict[str, Any], proc: subprocess.Popen[str], deadline_s: float) -> str:
+    """The run's one error line, after checking it ended with exit 1 within `deadline_s` and no traceback."""
+    err = killed.get("err", "")
+    assert not killed.get("unkilled"), f"the run ended or stalled before the node was lost: {err[-3000:]}"
+    assert proc.returncode == 1, err[-3000:]
+    assert killed["elapsed"] <= deadline_s, f"the run took {killed['elapsed']:.0f} s to end after the node was lost"
+    assert "Traceback" not in err, err[-3000:]
+    # the run's line is the last one: the driver leaves Ray first, so none of the raylets' lines about the loss
+    # (streamed while the process exits, e.g. "Failed to send wait complete: RpcError") can land below it
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert [line for line in lines if line.startswith("relayrl: error")] == lines[-1:], err[-3000:]
+    return lines[-1]
+
+
+def _run(run_dir: Path, env: dict[str, str], *overrides: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_lost_nodes_end_grpo_in_one_line_and_the_run_resumes_exactly_on_a_new_cluster(
+    two_nodes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """GRPO with its two ranks (each with its colocated generation worker) on the two nodes, joined through
     RAY_ADDRESS as a `ray job submit` driver would; the node of training rank 0 removed as step 2 starts. The run
-    ends within seconds, exit 1, with one line naming the rank and its node and the command that resumes; that
-    command on a new cluster (`cluster.ray_address`, resume-safe) ends with the metrics of an uninterrupted run on
-    one node (the local executor, same world size: bit-identical to Ray's). The new cluster and the one-node run are
-    made while the two-node run starts (the box waits on Ray's process starts otherwise)."""
+    ends within seconds, exit 1, with one line naming the rank and its node and the command that resumes. On a new
+    cluster (`cluster.ray_address`) the run resumes with generation moved to a node of its own (both resume-safe),
+    logs the metrics of an uninterrupted run on one node (the local executor, same world size: bit-identical to
+    Ray's) for the steps it trains, and when that generation node is removed after step 2 it ends in one line naming
+    the generation worker and its node. The new cluster and the one-node run are made while the two-node run starts
+    (the box waits on Ray's process starts otherwise)."""
     from ray.cluster_utils import Cluster
 
-    monkeypatch.setenv("RELAYRL_REFIT_IPC_DIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     run_dir, address = tmp_path / "run", two_nodes.address
-    env = dict(os.environ, RAY_ADDRESS=address)
-    cmd = [sys.executable, "-m", "relayrl.cli.main", "train", "--run-dir", str(run_dir), *OVERRIDES]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = dict(os.environ, RAY_ADDRESS=address, RELAYRL_REFIT_IPC_DIR=str(tmp_path))
+    proc = _run(run_dir, env, *OVERRIDES)
     killed: dict[str, Any] = {}
-    watcher = threading.Thread(target=_lose_rank0_node_after_step_1, args=(two_nodes, proc, run_dir, killed))
+    watcher = threading.Thread(target=_lose_a_node_after_step, args=(two_nodes, proc, run_dir, 1, True, killed))
     watcher.start()
     second = None
     try:
-        # the new cluster: two nodes (the head holds a rank too)
-        second = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-        second.add_node(num_cpus=2)
+        # the new cluster: no CPU on the head, two nodes for the ranks (STRICT_SPREAD), one for generation
+        second = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        for _ in range(3):
+            second.add_node(num_cpus=1)
         reference = tmp_path / "one_node"
         one_node = ["cluster.executor=local", "cluster.num_nodes=1", "cluster.workers_per_node=2"]
         assert main(["train", "--run-dir", str(reference), *OVERRIDES, *one_node]) == 0
         expected = metrics_by_step(reference, ("train/",))
         assert sorted(expected) == list(range(1, STEPS + 1))
         watcher.join()
-        err = killed.get("err", "")
-        assert not killed.get("unkilled"), f"the two-node run ended or stalled before step 2: {err[-3000:]}"
-        assert proc.returncode == 1, err[-3000:]
-        elapsed, victim = killed["elapsed"], killed["victim"]
-        assert elapsed <= LINE_DEADLINE_S, f"the run took {elapsed:.0f} s to end after rank 0's node was lost"
-        assert "Traceback" not in err, err[-3000:]
-        errors = [line for line in err.splitlines() if "error" in line.lower()]  # none from Ray's log dump either
-        assert len(errors) == 1 and errors[0].startswith("relayrl: error: rank 0 ("), err[-3000:]
-        assert f"node id {victim.node_id[:12]}) died during" in errors[0], errors[0]
-        resume = f"`RAY_ADDRESS={address} relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
-        assert errors[0].endswith(resume), errors[0]
-        saved = _saved(run_dir)
-        assert saved and saved[-1] < STEPS
+        line = _one_error_line(killed, proc, LINE_DEADLINE_S)
+        assert line.startswith("relayrl: error: rank 0 ("), line
+        assert f"node id {killed['victim'].node_id[:12]}) died during" in line, line
+        assert line.endswith(
+            f"`RAY_ADDRESS={address} relayrl train --run-dir {run_dir}` resumes from the last checkpoint"
+        )
+        assert _saved(run_dir) == [1]
 
-        # the command on the new cluster, its address a resume-safe override
+        # the new cluster, its address and generation's placement resume-safe overrides
         ray.shutdown()
         second.wait_for_nodes()
-        capfd.readouterr()
-        assert main(["train", "--run-dir", str(run_dir), f"cluster.ray_address={second.address}"]) == 0
-        out, err = capfd.readouterr()
+        env = dict(os.environ, RELAYRL_REFIT_IPC_DIR=str(tmp_path))
+        resumed = _run(run_dir, env, f"cluster.ray_address={second.address}", *DEDICATED_GENERATION)
+        lost: dict[str, Any] = {}
+        ray.init(address=second.address, log_to_driver=False)  # to read the placement groups
+        _lose_a_node_after_step(second, resumed, run_dir, 2, False, lost)
     finally:
         watcher.join()
         ray.shutdown()
         if second is not None:
             second.shutdown()
-    assert f"Resumed from {run_dir / 'checkpoints' / f'step_{saved[-1]}'}" in out + err
-    assert "Traceback" not in err
-    assert metrics_by_step(run_dir, ("train/",)) == expected  # two nodes, one lost, resumed elsewhere: one node's
+    line = _one_error_line(lost, resumed, GENERATION_LINE_DEADLINE_S)
+    assert f"Resumed from {run_dir / 'checkpoints' / 'step_1'}" in lost["out"] + lost["err"]
+    assert line.startswith("relayrl: error: rank 0 (GenerationWorker"), line
+    assert f"node id {lost['victim'].node_id[:12]}" in line, line
+    assert line.endswith(f"`relayrl train --run-dir {run_dir}` resumes from the last checkpoint"), line
+    across = metrics_by_step(run_dir, ("train/",))
+    # two nodes, one lost, resumed elsewhere with generation moved: one node's numbers, step for step
+    assert {1, 2} <= set(across) <= set(expected)
+    assert across == {s: expected[s] for s in across}
