@@ -141,6 +141,12 @@ def test_a_wedged_transfer_queue_ends_a_get_at_data_plane_call_timeout_s(
     pid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
     os.kill(pid, signal.SIGSTOP)
     try:
+        # kill() returns before the signal is delivered: until the kernel reports the controller stopped, it may
+        # still answer (it polls its sockets without sleeping); one suite run's get came back with its rows
+        stopped_by = time.monotonic() + 10
+        while _process_state(pid) not in ("T", "t"):
+            assert time.monotonic() < stopped_by, f"the controller (pid {pid}) never stopped: {_process_state(pid)}"
+            time.sleep(0.01)
         start = time.monotonic()
         with pytest.raises(DeadlineError) as err:
             fast.get_samples(["a", "b"], "wedged", ["x"])
@@ -153,3 +159,9 @@ def test_a_wedged_transfer_queue_ends_a_get_at_data_plane_call_timeout_s(
         fast.close()
     assert c.get_samples(["a", "b"], "wedged", ["x"])["x"].values.tolist() == [1.0, 2.0]
     c.close()
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (`T`: stopped by a signal), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
