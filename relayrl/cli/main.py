@@ -38,14 +38,19 @@ def _ray_in_use() -> bool:
     return ray is not None and bool(ray.is_initialized())
 
 
-def _run_failed(line: str, leave_ray: bool) -> int:
-    """A run that failed mid-way: its one line, exit 1. With `leave_ray` (the run itself joined or started Ray, not
-    its caller) the driver leaves Ray first, so the line is the last one printed (nothing Ray streams follows it)."""
+def _last_line(text: str, leave_ray: bool) -> None:
+    """A run's closing line on stderr. With `leave_ray` (the run itself joined or started Ray, not its caller) the
+    driver leaves Ray first, so the line is the last one printed (nothing Ray streams from the cluster follows it)."""
     if leave_ray:
         from relayrl.distributed.errors import leave_ray_quietly
 
         leave_ray_quietly()
-    print(f"relayrl: error: {line}", file=sys.stderr)
+    print(text, file=sys.stderr)
+
+
+def _run_failed(line: str, leave_ray: bool) -> int:
+    """A run that failed mid-way: its one line, last, and exit 1."""
+    _last_line(f"relayrl: error: {line}", leave_ray)
     return 1
 
 
@@ -206,7 +211,8 @@ def _train(args: argparse.Namespace) -> int:
     from relayrl.utils.signals import TrainingInterrupted, exit_code, set_forced_exit_deadline
 
     resume = f"`{_resume_command(cfg, run_dir)}` resumes from the last checkpoint"
-    failed = functools.partial(_run_failed, leave_ray=not _ray_in_use())  # a caller's own Ray stays connected
+    leave_ray = not _ray_in_use()  # a caller's own Ray stays connected
+    failed = functools.partial(_run_failed, leave_ray=leave_ray)
     set_forced_exit_deadline(FORCED_EXIT_S, resume)  # a second Ctrl-C ends this process within seconds, whatever hangs
     try:
         options = ResumeOptions(restart=args.restart, allow_inexact=args.allow_inexact_resume)
@@ -220,7 +226,7 @@ def _train(args: argparse.Namespace) -> int:
     except EnvironmentClassError as exc:  # the user's environment class: one line naming it and the row
         return failed(f"{str(exc).strip().splitlines()[0]}; {resume}")
     except TrainingInterrupted as exc:  # SIGINT / SIGTERM: the step finished and was checkpointed
-        print(f"relayrl: {exc}; `{_resume_command(cfg, run_dir)}` resumes", file=sys.stderr)
+        _last_line(f"relayrl: {exc}; `{_resume_command(cfg, run_dir)}` resumes", leave_ray)
         return exit_code(exc.signum)
     except KeyboardInterrupt:  # a second Ctrl-C: out at once
         print(f"relayrl: interrupted; {resume}", file=sys.stderr)
