@@ -27,6 +27,13 @@ class ActorLostError(RuntimeError):
     that found out. The run cannot continue; it resumes from its last checkpoint."""
 
 
+def caused_by(failure: BaseException, line: str) -> WorkerDiedError:
+    """The one line of a rank's loss, chained to the rank's own error (`failure`) that revealed it."""
+    lost = WorkerDiedError(line)
+    lost.__cause__ = failure
+    return lost
+
+
 def says_peer_lost(failure: BaseException) -> bool:
     """Whether a rank's error says a peer of its collective is gone (a lost node is worth looking for)."""
     return _PEER_LOST.search(str(failure)) is not None
@@ -49,12 +56,11 @@ def node_loss_error(
         for rank, node_id in enumerate(node_ids):
             if node_id in dead:
                 where = f"{label}, node {dead[node_id]}, node id {node_id[:12]}"
-                lost = WorkerDiedError(
+                return caused_by(
+                    failure,
                     f"rank {rank} ({where}) died with its Ray node: {failed} lost its peer during {what!r} "
-                    f"({cause.group(0)})"
+                    f"({cause.group(0)})",
                 )
-                lost.__cause__ = failure
-                return lost
     return None
 
 
@@ -65,12 +71,11 @@ def unnamed_peer_loss(failure: BaseException, failed: str, what: str, waited_s: 
     cause = _PEER_LOST.search(str(failure))
     if cause is None:
         return None
-    lost = WorkerDiedError(
+    return caused_by(
+        failure,
         f"{failed} lost its peer during {what!r} ({cause.group(0)}): a rank, or the node of one, died and Ray "
-        f"named neither within {waited_s:g}s"
+        f"named neither within {waited_s:g}s",
     )
-    lost.__cause__ = failure
-    return lost
 
 
 def leave_ray_quietly(timeout_s: float = 10.0) -> None:

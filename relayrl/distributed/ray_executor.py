@@ -37,6 +37,7 @@ from relayrl.config import ClusterConfig
 from relayrl.distributed.errors import (
     RemoteTimeoutError,
     WorkerDiedError,
+    caused_by,
     node_loss_error,
     says_peer_lost,
     unnamed_peer_loss,
@@ -370,9 +371,7 @@ class RayWorkerGroup(Generic[W]):
                 except RayActorError as exc:
                     self._teardown(graceful=False)
                     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    node = f", node id {self.node_ids[rank][:12]}" if rank < len(self.node_ids) else ""
-                    where = f"{self._label}, {death_site(exc)}{node}"
-                    raise WorkerDiedError(f"rank {rank} ({where}) died during {what!r}: {reason}") from exc
+                    raise WorkerDiedError(f"{self._died(rank, exc)} during {what!r}: {reason}") from exc
                 except Exception as exc:  # noqa: BLE001 - a Python error on that rank, re-raised below
                     if failure is None:
                         failure, failed_rank = exc, rank
@@ -394,6 +393,11 @@ class RayWorkerGroup(Generic[W]):
             raise _explained(failure, self._label, failed_rank, what)
         return [results[r] for r in sorted(results)]
 
+    def _died(self, rank: int, exc: RayActorError) -> str:
+        """How every loss of a rank of this group is named: `rank r (group, pid, node address, node id) died`."""
+        node = f", node id {self.node_ids[rank][:12]}" if rank < len(self.node_ids) else ""
+        return f"rank {rank} ({self._label}, {death_site(exc)}{node}) died"
+
     def _dead_rank(self) -> str | None:
         """A rank of this group found dead by a call still in flight on it (another group's collective peer), named
         as a WorkerDiedError names it; None if none."""
@@ -404,9 +408,7 @@ class RayWorkerGroup(Generic[W]):
             try:
                 ray.get(ref, timeout=0)
             except RayActorError as exc:
-                rank = self._in_flight[ref]
-                node = f", node id {self.node_ids[rank][:12]}" if rank < len(self.node_ids) else ""
-                return f"rank {rank} ({self._label}, {death_site(exc)}{node}) died"
+                return self._died(self._in_flight[ref], exc)
             except Exception:  # noqa: BLE001, S112 - a Python error of that rank: not a death
                 continue
         return None
@@ -446,9 +448,7 @@ def _peer_loss(failure: BaseException, label: str, rank: int, what: str) -> Work
     for group in list(_GROUPS):
         found = group._dead_rank() if not group._closed else None
         if found is not None:
-            died = WorkerDiedError(f"{found}: {label} rank {rank} lost its peer during {what!r}")
-            died.__cause__ = failure
-            return died
+            return caused_by(failure, f"{found}: {label} rank {rank} lost its peer during {what!r}")
     dead = {n["NodeID"]: str(n.get("NodeManagerAddress", "?")) for n in ray.nodes() if not n.get("Alive")}
     placements = [(group._label, group.node_ids) for group in list(_GROUPS)]
     return node_loss_error(failure, f"{label} rank {rank}", what, placements, dead)

@@ -134,7 +134,13 @@ def _one_line(exc: ValidationError) -> str:
 
 # ---------------------------------------------------------------------------------------------------- resume
 #: Keys whose change on resume keeps the resumed run exact up to the change (cadence, length, logging, deadlines).
-_RESUME_SAFE_PREFIXES = ("logger.", "checkpointing.save_period", "checkpointing.keep_top_k", "checkpointing.enabled")
+_RESUME_SAFE_PREFIXES = (
+    "logger.",
+    "checkpointing.save_period",
+    "checkpointing.keep_top_k",
+    "checkpointing.enabled",
+    "policy.generation.colocated.",  # where generation runs (colocated or on nodes of its own): placement, below
+)
 _RESUME_SAFE_EXACT = (
     "checkpointing.checkpoint_must_save_by",
     "data_plane.call_timeout_s",
@@ -147,7 +153,6 @@ _RESUME_SAFE_EXACT = (
     "cluster.ray_address",
     "cluster.cpus_per_worker",
 )
-_RESUME_SAFE_PLACEMENT = ("policy.generation.colocated.",)
 _RESUME_SAFE_ROLLOUT = (
     "max_num_steps",
     "max_num_epochs",
@@ -190,7 +195,6 @@ def classify_resume_changes(
             restored.append(change)
         elif (
             key.startswith(_RESUME_SAFE_PREFIXES)
-            or key.startswith(_RESUME_SAFE_PLACEMENT)
             or key in _RESUME_SAFE_EXACT
             or rollout_key in _RESUME_SAFE_ROLLOUT
             or val_size
